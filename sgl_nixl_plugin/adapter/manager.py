@@ -1,0 +1,314 @@
+"""The KV manager SGLang creates once per scheduler process (prefill or decode).
+
+It keeps SGLang's ``CommonKVManager`` for everything the scheduler reads directly (status
+table, failure records, rank mapping, abort/ACK bookkeeping, bootstrap registration) and
+replaces the transport: our msgspec wire on ZMQ for control, our NIXL engine for data.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import zmq
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import AckTarget, CommonKVManager, CommonKVReceiver
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.utils.network import NetworkAddress
+
+from sgl_nixl_plugin.adapter.decode import DecodeListener
+from sgl_nixl_plugin.adapter.memory import compat_of, kv_mem_kind, memory_from_kv_args, to_regions
+from sgl_nixl_plugin.adapter.prefill import Chunk, PrefillControl, RoomProgress, TransferWorker
+from sgl_nixl_plugin.engine.engine import PeerLink, TransferEngine
+from sgl_nixl_plugin.registry import manager as registry
+from sgl_nixl_plugin.registry.spec import TransferEvent
+from sgl_nixl_plugin.settings import Settings
+from sgl_nixl_plugin.wire.codec import Codec, index_specs
+from sgl_nixl_plugin.wire.compat import compat_hash
+from sgl_nixl_plugin.wire.messages import (
+    AbortAck,
+    Message,
+    PeerRegistration,
+    TransferRequest,
+    TransferStatus,
+)
+
+logger = logging.getLogger(__name__)
+
+Endpoint = tuple[str, int]
+
+
+class NixlPluginKVManager(CommonKVManager):
+    supports_deferred_decode_kv_release = True
+    reports_transfer_latency = True
+
+    def __init__(
+        self,
+        args: Any,
+        disaggregation_mode: DisaggregationMode,
+        server_args: Any,
+        is_mla_backend: bool | None = False,
+    ) -> None:
+        self.settings = Settings.from_env()
+        self.codec = Codec(secret=self.settings.secret)
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        if self.defer_decode_allocation:
+            raise ValueError(
+                "sgl-nixl-plugin does not support "
+                "--disaggregation-decode-allocation-policy prefill_complete yet; use 'early'"
+            )
+        device = getattr(server_args, "device", "cuda") or "cuda"
+        self.kv_mem_kind = kv_mem_kind(args, device, self.settings.kv_mem_kind)
+        memory = memory_from_kv_args(args, self.kv_mem_kind)
+        if self.kv_mem_kind == "VRAM":
+            import torch
+
+            torch.cuda.set_device(int(getattr(args, "gpu_id", 0) or 0))
+        config = registry.resolve_agent_config()
+        self.engine = TransferEngine(config, memory)
+        self._engine_lock = threading.Lock()
+        self.compat = compat_of(args, bool(is_mla_backend), self.attn_tp_size)
+        self.compat_hash = compat_hash(self.compat)
+        self._stopping = False
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            self.room_seen: dict[int, float] = {}
+            self.control = PrefillControl(self)
+            self.workers = [TransferWorker(self, i) for i in range(self.settings.workers)]
+            self.control.start()
+            for w in self.workers:
+                w.start()
+        else:
+            self.room_endpoints: dict[int, set[Endpoint]] = defaultdict(set)
+            self.refused_endpoints: dict[Endpoint, tuple[str, float]] = {}
+            self.listener = DecodeListener(self)
+            self.listener.start()
+            self._start_heartbeat_checker_thread()
+        logger.info(
+            "sgl-nixl: %s manager ready (agent %s, %s KV, %d regions, control %s:%s)",
+            disaggregation_mode.value, self.engine.name, self.kv_mem_kind,
+            len(memory.kv), self.local_ip, self.rank_port,
+        )
+
+    # -- sending control messages -------------------------------------------------------
+    def _send_multipart_locked(self, endpoint: str, parts: list, is_ipv6: bool = False) -> None:
+        """Never block on a slow or dead peer: a full queue raises instead of waiting 30 s."""
+        sock = self._connect(endpoint, is_ipv6=is_ipv6)
+        with self._socket_send_locks[endpoint]:
+            sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+
+    def send_to(self, endpoint: Endpoint, msg: Message, arrays: tuple = ()) -> bool:
+        """Send one message without blocking; False (logged) if the peer can't take it.
+
+        A decode sends through SGLang's per-endpoint receiver sockets, the ones that carry
+        its registrations and transfer requests, so an abort never overtakes the request
+        it cancels.
+        """
+        na = NetworkAddress(endpoint[0], int(endpoint[1]))
+        frames = self.codec.encode(msg, arrays)
+        try:
+            if self.disaggregation_mode == DisaggregationMode.DECODE:
+                sock, lock = CommonKVReceiver._connect(na.to_tcp(), is_ipv6=na.is_ipv6)
+                with lock:
+                    sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            else:
+                self._send_multipart_locked(na.to_tcp(), frames, na.is_ipv6)
+            return True
+        except Exception as exc:
+            logger.warning(
+                "sgl-nixl: could not send %s to %s:%s: %s", type(msg).__name__, *endpoint, exc
+            )
+            return False
+
+    @property
+    def prefill_rank_id(self) -> int:
+        return self._prefill_unique_rank()
+
+    def _encode_kv_status_message(
+        self, *, bootstrap_room: int, status: KVPoll, failure_reason: str | None
+    ) -> list:
+        return self.codec.encode(
+            TransferStatus(bootstrap_room, int(status), self.prefill_rank_id, failure_reason or "")
+        )
+
+    def parse_kv_status_message(self, msg: list) -> tuple[int, int, int, str | None] | None:
+        decoded = self.codec.decode(msg)
+        if decoded is None or not isinstance(decoded.msg, TransferStatus):
+            return None
+        m = decoded.msg
+        return m.room, m.status, m.prefill_rank, m.reason or None
+
+    def _send_abort_ack(self, room: int, target: AckTarget) -> None:
+        self.send_to(
+            (target.ip, target.port), AbortAck(room, self.prefill_rank_id, target.generation)
+        )
+
+    # -- decode: messages to prefill ----------------------------------------------------
+    def build_receiver_registration_message(self) -> list:
+        args = self.kv_args
+        mem = self.engine.memory
+        reg = PeerRegistration(
+            compat=self.compat,
+            compat_hash=self.compat_hash,
+            agent_name=self.engine.name,
+            agent_metadata=self.engine.metadata,
+            ip=self.local_ip,
+            port=self.rank_port,
+            tp_rank=int(args.engine_rank) % self.attn_tp_size,
+            tp_size=self.attn_tp_size,
+            kv_heads=int(getattr(args, "kv_head_num", 0) or 0),
+            kv=to_regions(mem.kv),
+            aux=to_regions(mem.aux),
+            state=[to_regions(s) for s in mem.state],
+        )
+        return self.codec.encode(reg)
+
+    def build_receiver_metadata_message(
+        self,
+        *,
+        bootstrap_room: int,
+        required_dst_info_num: int,
+        kv_indices: np.ndarray,
+        aux_index: int | None,
+        state_indices: list | None,
+        decode_prefix_len: int | None,
+        is_dummy: bool,
+        device_kv_indices: np.ndarray | None = None,
+    ) -> list:
+        kv = np.empty(0, np.int32) if is_dummy else np.asarray(kv_indices)
+        state = [] if is_dummy else [
+            np.empty(0, np.int32) if s is None else np.asarray(s).ravel()
+            for s in (state_indices or [])
+        ]
+        req = TransferRequest(
+            room=bootstrap_room,
+            agent_name=self.engine.name,
+            ip=self.local_ip,
+            port=self.rank_port,
+            aux_index=-1 if aux_index is None else int(aux_index),
+            required_dst_info_num=int(required_dst_info_num),
+            decode_prefix_len=int(decode_prefix_len or 0),
+            is_dummy=bool(is_dummy),
+            indices=index_specs(kv, state),
+        )
+        return self.codec.encode(req, [kv, *state])
+
+    # -- prefill: the scheduler's send() lands here -------------------------------------
+    def add_transfer_request(
+        self,
+        bootstrap_room: int,
+        kv_indices: np.ndarray,
+        index_slice: slice,
+        is_last_chunk: bool,
+        aux_index: int | None = None,
+        state_indices: list | None = None,
+        num_kv_tokens: int | None = None,
+        *,
+        wait_event: Any = None,
+        indices_event: Any = None,
+        trace_ctx: Any = None,
+    ) -> None:
+        chunk = Chunk(
+            room=bootstrap_room,
+            pages=np.array(kv_indices, dtype=np.int64, copy=True),
+            index_slice=index_slice,
+            is_last=is_last_chunk,
+            aux_index=aux_index,
+            state=state_indices,
+            events=tuple(e for e in (wait_event, indices_event) if hasattr(e, "synchronize")),
+        )
+        self.workers[bootstrap_room % len(self.workers)].queue.put(chunk)
+
+    def transfer_settled(self, room: int) -> None:
+        """One WRITE of ``room`` finished (either way); ACK a drained abort."""
+        left = self._staging_outstanding.get(room, 0) - 1
+        if left > 0:
+            self._staging_outstanding[room] = left
+            return
+        self._staging_outstanding.pop(room, None)
+        self._maybe_ack_drained_abort(room)
+
+    def ack_abort_when_drained(self, room: int, ip: str, port: int, generation: int) -> None:
+        self.register_deferred_ack_target(room, AckTarget(ip, port, generation))
+        self._maybe_ack_drained_abort(room)
+
+    def engine_unlink(self, link: PeerLink) -> None:
+        with self._engine_lock:
+            self.engine.unlink(link)
+
+    def fail_rooms_of_peer(self, agent: str, reason: str) -> None:
+        for room, infos in list(self.transfer_infos.items()):
+            info = infos.get(agent)
+            if info is None or info.is_dummy:
+                continue
+            if self.request_status.get(room) not in (None, KVPoll.Success, KVPoll.Failed):
+                self.conclude_failure(bootstrap_room=room, failure_reason=reason)
+
+    def observe(self, room: int, prog: RoomProgress, ok: bool, reason: str | None = None) -> None:
+        registry.notify_transfer(
+            TransferEvent(
+                room=room,
+                peer=",".join(sorted(prog.peers)),
+                ok=ok,
+                bytes=prog.nbytes,
+                duration_s=time.perf_counter() - prog.started,
+                descriptors=prog.descriptors,
+                path="direct",
+                reason=reason,
+            )
+        )
+
+    # -- decode: bookkeeping for liveness and refusals -----------------------------------
+    def pending_endpoints(self) -> set[Endpoint]:
+        out: set[Endpoint] = set()
+        for room, eps in list(self.room_endpoints.items()):
+            if self.request_status.get(room) in (KVPoll.WaitingForInput, KVPoll.Transferring):
+                out |= eps
+        return out
+
+    def fail_endpoint(self, endpoint: Endpoint, reason: str) -> None:
+        """Fail every unfinished room served by ``endpoint`` and forget its cached route."""
+        failed = 0
+        for room, eps in list(self.room_endpoints.items()):
+            if endpoint in eps and self.request_status.get(room) not in (
+                None, KVPoll.Success, KVPoll.Failed,
+            ):
+                self.record_failure(room, reason)
+                self.update_status(room, KVPoll.Failed)
+                failed += 1
+        self.forget_endpoint(endpoint)
+        logger.error("sgl-nixl: %s (%d requests failed)", reason, failed)
+
+    def forget_endpoint(self, endpoint: Endpoint) -> None:
+        """Drop cached routes to ``endpoint`` so the next request asks the bootstrap again."""
+        with self.connection_lock:
+            for key, infos in list(self.connection_pool.items()):
+                if any((i.get("rank_ip"), int(i.get("rank_port", -1))) == endpoint for i in infos):
+                    del self.connection_pool[key]
+        CommonKVReceiver.disconnect_endpoint(NetworkAddress(*endpoint).to_tcp())
+
+    def on_refused(self, endpoint: Endpoint, reason: str) -> None:
+        self.refused_endpoints[endpoint] = (reason, time.monotonic())
+        self.fail_endpoint(endpoint, f"prefill {endpoint[0]}:{endpoint[1]} refused this decode: {reason}")
+
+    # -- teardown -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop our threads and release every NIXL resource (tests and role switch)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self.disaggregation_mode == DisaggregationMode.PREFILL:
+            self.control.stop()
+            for w in self.workers:
+                w.stop()
+            threads = [self.control.thread, *(w.thread for w in self.workers)]
+        else:
+            self.listener.stop()
+            self._heartbeat_shutdown.set()
+            threads = [self.listener.thread]
+        for t in threads:
+            t.join(timeout=5)
+        self.engine.close()

@@ -1,0 +1,447 @@
+"""Prefill side: the control thread that files decode requests, and the transfer workers.
+
+The scheduler's ``send()`` only enqueues a chunk (O(1)). A worker thread submits the
+chunk's WRITEs without waiting for them and polls every in-flight transfer it owns, so
+many rooms bound for the same decode move at once. Rooms are sharded across workers by
+room id, so one room's chunks stay in order on one worker. Nothing a peer sends can kill
+the control thread: every message is handled inside its own ``try``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import zmq
+
+from sgl_nixl_plugin.adapter.memory import kv_geometry, remote_memory
+from sgl_nixl_plugin.engine.agent import TransferError, Xfer
+from sgl_nixl_plugin.engine.descriptors import validate_items
+from sgl_nixl_plugin.engine.engine import PeerLink
+from sgl_nixl_plugin.wire.compat import describe_mismatch
+from sgl_nixl_plugin.wire.messages import (
+    Abort,
+    PeerRegistration,
+    Ping,
+    Pong,
+    RegistrationReply,
+    TransferRequest,
+    TransferStatus,
+)
+
+if TYPE_CHECKING:
+    from sgl_nixl_plugin.adapter.manager import NixlPluginKVManager
+
+logger = logging.getLogger(__name__)
+
+# KVPoll values (SGLang's enum is an int enum; kept numeric to keep this module SGLang-free)
+FAILED, WAITING_FOR_INPUT, SUCCESS = 0, 2, 4
+
+
+@dataclass
+class DecodePeer:
+    """A registered decode rank: its NIXL link and what it told us."""
+
+    agent: str
+    link: PeerLink
+    reg: PeerRegistration
+    endpoint: tuple[str, int]
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class TransferInfo:
+    """One decode rank's destination for one room (SGLang's common code reads these fields)."""
+
+    room: int
+    agent: str
+    endpoint: str
+    dst_port: int
+    dst_pages: np.ndarray
+    aux_index: int
+    state: list[np.ndarray]
+    required_dst_info_num: int
+    is_dummy: bool
+
+
+@dataclass
+class Chunk:
+    room: int
+    pages: np.ndarray
+    index_slice: slice
+    is_last: bool
+    aux_index: int | None
+    state: list[Any] | None
+    events: tuple[Any, ...] = ()  # CUDA events the source pages wait on
+
+
+@dataclass
+class RoomProgress:
+    xfers: list[Xfer] = field(default_factory=list)
+    last_seen: bool = False
+    failed: bool = False
+    started: float = field(default_factory=time.perf_counter)
+    nbytes: int = 0
+    descriptors: int = 0
+    peers: set[str] = field(default_factory=set)
+
+
+class PrefillControl:
+    """Receives registrations, transfer requests, aborts and pings from decode ranks."""
+
+    def __init__(self, mgr: NixlPluginKVManager) -> None:
+        self.mgr = mgr
+        self.peers: dict[str, DecodePeer] = {}
+        self.refused: dict[str, str] = {}  # agent -> reason its registration was refused
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="sgl-nixl-prefill-ctl", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- loop -------------------------------------------------------------------------
+    def _run(self) -> None:
+        sock = self.mgr.server_socket
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(500):
+                    continue
+                frames = sock.recv_multipart(copy=False)
+            except zmq.ZMQError as exc:
+                if self._stop.is_set():
+                    return
+                logger.error("sgl-nixl prefill control socket error: %s", exc)
+                time.sleep(0.05)
+                continue
+            decoded = self.mgr.codec.decode(frames)
+            if decoded is None:
+                continue
+            try:
+                self._dispatch(decoded.msg, decoded.kv, decoded.state)
+            except Exception:
+                logger.exception(
+                    "sgl-nixl: error handling %s; the control thread goes on",
+                    type(decoded.msg).__name__,
+                )
+
+    def _dispatch(self, msg: Any, kv: np.ndarray | None, state: list[np.ndarray]) -> None:
+        if isinstance(msg, TransferRequest):
+            self.on_request(msg, kv, state)
+        elif isinstance(msg, PeerRegistration):
+            self.on_registration(msg)
+        elif isinstance(msg, Abort):
+            self.on_abort(msg)
+        elif isinstance(msg, Ping):
+            mgr = self.mgr
+            mgr.send_to((msg.ip, msg.port), Pong(mgr.engine.name, msg.seq, mgr.local_ip, mgr.rank_port))
+        else:
+            self.mgr.codec.rejections.reject("unexpected", type(msg).__name__)
+
+    # -- registration -------------------------------------------------------------------
+    def on_registration(self, reg: PeerRegistration) -> None:
+        mgr = self.mgr
+        endpoint = (reg.ip, reg.port)
+        reason = describe_mismatch(mgr.compat, reg.compat, "prefill")
+        if not reason and reg.compat_hash != mgr.compat_hash:
+            reason = "compatibility hash differs although every field matches: upgrade both sides"
+        link = None
+        with self.lock:
+            known = self.peers.get(reg.agent_name)
+        if known is not None and known.reg == reg:
+            # The same decode process registering again (its cache was reset): keep the link.
+            known.last_seen = time.monotonic()
+            mgr.send_to(endpoint, RegistrationReply(reg.agent_name, mgr.prefill_rank_id, True))
+            return
+        if known is not None:
+            self.drop_peer(reg.agent_name, "re-registered with a different layout")
+        if not reason:
+            try:
+                geometry = kv_geometry(
+                    is_mla=mgr.is_mla_backend,
+                    page_size=mgr.compat.page_size,
+                    head_bytes_=mgr.compat.head_bytes,
+                    src_heads=int(mgr.kv_args.kv_head_num or 0),
+                    dst_heads=reg.kv_heads,
+                    src_tp_rank=mgr.attn_tp_rank,
+                    dst_tp_rank=reg.tp_rank,
+                )
+                remote = remote_memory(reg.kv, reg.aux, reg.state)
+                mgr.check_peer_aux_buffer_count(reg.agent_name, len(reg.aux))
+                link = mgr.engine.link(reg.agent_metadata, remote, {"kv": geometry})
+            except (ValueError, TransferError) as exc:
+                reason = f"cannot serve decode rank {reg.tp_rank}/{reg.tp_size} layout: {exc}"
+        old_link = None
+        with self.lock:
+            stale = [
+                p for p in self.peers.values() if p.endpoint == endpoint and p.agent != reg.agent_name
+            ]
+            for gone in stale:
+                self._drop_peer_locked(gone, "decode at this address restarted")
+            if reason:
+                self.refused[reg.agent_name] = reason
+            else:
+                previous = self.peers.pop(reg.agent_name, None)
+                old_link = previous.link if previous is not None else None
+                self.peers[reg.agent_name] = DecodePeer(reg.agent_name, link, reg, endpoint)
+                self.refused.pop(reg.agent_name, None)
+        if old_link is not None:
+            mgr.engine_unlink(old_link)
+        if reason:
+            logger.error("sgl-nixl: refused decode %s at %s:%s: %s", reg.agent_name, *endpoint, reason)
+        else:
+            logger.info(
+                "sgl-nixl: decode %s (tp %d/%d) at %s:%s connected",
+                reg.agent_name, reg.tp_rank, reg.tp_size, *endpoint,
+            )
+        mgr.send_to(
+            endpoint,
+            RegistrationReply(reg.agent_name, mgr.prefill_rank_id, not reason, reason),
+        )
+
+    def _drop_peer_locked(self, peer: DecodePeer, why: str) -> None:
+        self.peers.pop(peer.agent, None)
+        self.mgr.engine_unlink(peer.link)
+        self.mgr.fail_rooms_of_peer(peer.agent, f"decode {peer.agent} at {peer.endpoint[0]}:{peer.endpoint[1]}: {why}")
+
+    def drop_peer(self, agent: str, why: str) -> None:
+        with self.lock:
+            peer = self.peers.get(agent)
+            if peer is not None:
+                self._drop_peer_locked(peer, why)
+
+    # -- per-request metadata -------------------------------------------------------------
+    def on_request(self, req: TransferRequest, kv: np.ndarray | None, state: list[np.ndarray]) -> None:
+        mgr = self.mgr
+        room, target = req.room, (req.ip, req.port)
+        with self.lock:
+            peer = self.peers.get(req.agent_name)
+            refused = self.refused.get(req.agent_name)
+        if peer is None:
+            reason = refused or (
+                f"prefill has no registration from decode agent {req.agent_name} "
+                "(it restarted or was dropped); it re-registers on its next request"
+            )
+            mgr.send_to(target, TransferStatus(room, FAILED, mgr.prefill_rank_id, reason))
+            return
+        peer.last_seen = time.monotonic()
+        kv = np.empty(0, np.int32) if kv is None else kv
+        problem = None
+        if not req.is_dummy:
+            kv_group = peer.link.groups.get("kv")
+            problem = validate_items(kv, kv_group.remote_items if kv_group else 0, "destination page")
+            aux_group = peer.link.groups.get("aux")
+            if problem is None and req.aux_index >= 0 and aux_group is not None:
+                problem = validate_items(np.array([req.aux_index]), aux_group.remote_items, "aux row")
+            for i, s in enumerate(state):
+                g = peer.link.groups.get(f"state{i}")
+                if problem is None and len(s):
+                    problem = validate_items(s, g.remote_items if g else 0, f"state[{i}]")
+        if problem is not None:
+            mgr.codec.rejections.reject("index_out_of_range", f"room {room}: {problem}", req.agent_name)
+            mgr.send_to(target, TransferStatus(room, FAILED, mgr.prefill_rank_id, problem))
+            return
+        infos = mgr.transfer_infos.setdefault(room, {})
+        if req.agent_name in infos:
+            mgr.codec.rejections.reject("duplicate_request", f"room {room}", req.agent_name)
+            return
+        infos[req.agent_name] = TransferInfo(
+            room=room,
+            agent=req.agent_name,
+            endpoint=req.ip,
+            dst_port=req.port,
+            dst_pages=kv,
+            aux_index=req.aux_index,
+            state=list(state),
+            required_dst_info_num=req.required_dst_info_num,
+            is_dummy=req.is_dummy,
+        )
+        mgr.room_seen[room] = time.monotonic()
+        if req.decode_prefix_len:
+            mgr.req_to_decode_prefix_len[room] = req.decode_prefix_len
+        if len(infos) >= req.required_dst_info_num:
+            mgr.update_status(room, WAITING_FOR_INPUT)
+
+    # -- aborts ---------------------------------------------------------------------------
+    def on_abort(self, msg: Abort) -> None:
+        mgr = self.mgr
+        room = msg.room
+        if room in mgr.request_status and mgr.request_status[room] != SUCCESS:
+            mgr.record_failure(room, "Aborted by the decode side")
+            mgr.update_status(room, FAILED)
+        if msg.generation is not None and msg.ip:
+            mgr.ack_abort_when_drained(room, msg.ip, msg.port, msg.generation)
+
+
+class TransferWorker:
+    """Submits chunks without blocking and completes every transfer it has in flight."""
+
+    IDLE_WAIT_S = 1.0
+    MIN_BACKOFF_S = 20e-6
+    MAX_BACKOFF_S = 1e-3
+
+    def __init__(self, mgr: NixlPluginKVManager, index: int) -> None:
+        self.mgr = mgr
+        self.queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
+        self.rooms: dict[int, RoomProgress] = {}
+        self._backoff = self.MIN_BACKOFF_S
+        self._stop = threading.Event()
+        self._last_sweep = time.monotonic()
+        self.thread = threading.Thread(
+            target=self._run, name=f"sgl-nixl-xfer-{index}", daemon=True
+        )
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.queue.put(None)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = any(p.xfers for p in self.rooms.values())
+            try:
+                chunk = self.queue.get(timeout=self._backoff if busy else self.IDLE_WAIT_S)
+            except queue.Empty:
+                chunk = None
+            try:
+                while chunk is not None:
+                    self._backoff = self.MIN_BACKOFF_S
+                    self._submit(chunk)
+                    chunk = self.queue.get_nowait() if not self.queue.empty() else None
+                if self._poll() == 0 and busy:
+                    self._backoff = min(self._backoff * 2, self.MAX_BACKOFF_S)
+                else:
+                    self._backoff = self.MIN_BACKOFF_S
+                self._sweep()
+            except Exception:
+                logger.exception("sgl-nixl: transfer worker error; it goes on")
+
+    # -- submission ----------------------------------------------------------------------
+    def _submit(self, chunk: Chunk) -> None:
+        mgr, room = self.mgr, chunk.room
+        prog = self.rooms.setdefault(room, RoomProgress())
+        prog.last_seen = prog.last_seen or chunk.is_last
+        status = mgr.request_status.get(room)
+        if prog.failed or status is None or status == FAILED:
+            prog.failed = True
+            self._maybe_finish(room)
+            return
+        for ev in chunk.events:
+            ev.synchronize()  # the forward pass must have written these pages
+        infos = mgr.transfer_infos.get(room) or {}
+        if not infos:
+            self._fail(room, "no decode destination was received for this room")
+            return
+        try:
+            for info in list(infos.values()):
+                if not info.is_dummy:
+                    self._submit_to(prog, chunk, info)
+        except (TransferError, ValueError) as exc:
+            self._fail(room, str(exc))
+            return
+        self._maybe_finish(room)
+
+    def _submit_to(self, prog: RoomProgress, chunk: Chunk, info: TransferInfo) -> None:
+        mgr = self.mgr
+        peer = mgr.control.peers.get(info.agent)
+        if peer is None:
+            raise TransferError(f"decode {info.agent} is no longer connected")
+        dst = info.dst_pages[chunk.index_slice]
+        if len(dst) != len(chunk.pages):
+            raise TransferError(
+                f"decode {info.agent} gave {len(info.dst_pages)} pages, prefill sends "
+                f"{chunk.index_slice.stop} (chunk {chunk.index_slice.start}:"
+                f"{chunk.index_slice.stop}): page counts disagree"
+            )
+        engine, link = mgr.engine, peer.link
+        xfers = [engine.write(link, "kv", chunk.pages, dst)]
+        if chunk.is_last:
+            if chunk.aux_index is not None and info.aux_index >= 0:
+                xfers.append(
+                    engine.write(link, "aux", np.array([chunk.aux_index]), np.array([info.aux_index]))
+                )
+            for i, (src, dst_state) in enumerate(zip(chunk.state or [], info.state, strict=False)):
+                if src is None or not len(dst_state):
+                    continue
+                src = np.asarray(src, dtype=np.int64).ravel()
+                if len(src) != len(dst_state):
+                    raise TransferError(
+                        f"state[{i}]: prefill has {len(src)} indices, decode {len(dst_state)}"
+                    )
+                xfers.append(engine.write(link, f"state{i}", src, dst_state))
+        prog.peers.add(info.agent)
+        for x in xfers:
+            if x is None:
+                continue
+            prog.xfers.append(x)
+            prog.nbytes += x.nbytes
+            prog.descriptors += x.descriptors
+            mgr._staging_outstanding[chunk.room] += 1
+
+    # -- completion ----------------------------------------------------------------------
+    def _poll(self) -> int:
+        """Poll every transfer in flight; returns how many settled."""
+        settled = 0
+        for room in list(self.rooms):
+            prog = self.rooms[room]
+            if not prog.xfers:
+                continue
+            remaining = []
+            for x in prog.xfers:
+                state = self.mgr.engine.poll(x)
+                if state == "PROC":
+                    remaining.append(x)
+                    continue
+                settled += 1
+                self.mgr.engine.release(x)
+                self.mgr.transfer_settled(room)
+                if state == "ERR" and not prog.failed:
+                    self._fail(room, x.error, finish=False)
+            prog.xfers = remaining
+            self._maybe_finish(room)
+        return settled
+
+    def _fail(self, room: int, reason: str, finish: bool = True) -> None:
+        prog = self.rooms.setdefault(room, RoomProgress())
+        if not prog.failed:
+            prog.failed = True
+            logger.error("sgl-nixl: room %s failed: %s", room, reason)
+            self.mgr.conclude_failure(bootstrap_room=room, failure_reason=reason)
+            self.mgr.observe(room, prog, ok=False, reason=reason)
+        if finish:
+            self._maybe_finish(room)
+
+    def _maybe_finish(self, room: int) -> None:
+        prog = self.rooms.get(room)
+        if prog is None or prog.xfers:
+            return
+        if prog.failed or room not in self.mgr.request_status:
+            del self.rooms[room]
+            return
+        if prog.last_seen:
+            del self.rooms[room]
+            self.mgr.conclude_transfer(bootstrap_room=room, status=SUCCESS)
+            self.mgr.observe(room, prog, ok=True)
+
+    def _sweep(self) -> None:
+        """Forget rooms whose sender went away between chunks (nothing in flight)."""
+        now = time.monotonic()
+        if now - self._last_sweep < 1.0:
+            return
+        self._last_sweep = now
+        for room in [r for r, p in self.rooms.items() if not p.xfers]:
+            status = self.mgr.request_status.get(room)
+            if status is None or status == FAILED:
+                del self.rooms[room]

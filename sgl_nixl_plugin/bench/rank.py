@@ -1,0 +1,452 @@
+"""One SGLang rank in its own process, driving the real KV classes like a scheduler would.
+
+The classes come only from SGLang's ``load_plugins()`` + ``get_kv_class``, so the same
+code drives our plugin or SGLang's in-tree backend (with ``SGLANG_PLUGINS`` excluding us).
+Prefill fills each room's pages with a known pattern; decode checks every byte it got.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sgl_nixl_plugin.bench.workload import (
+    AUX_ITEM_BYTES,
+    STATE_ITEM_BYTES,
+    PagePool,
+    Request,
+    Workload,
+    aux_pattern,
+    pattern,
+    state_pattern,
+)
+
+logger = logging.getLogger("sgl_nixl_plugin.bench")
+
+
+@dataclass
+class RankSpec:
+    role: str  # prefill | decode | bootstrap
+    instance: int
+    tp_size: int
+    tp_rank: int
+    workload: Workload
+    bootstrap_port: int  # the port this prefill instance registers to / serves
+    prefill_addrs: list[str] = field(default_factory=list)  # decode: one per prefill instance
+    n_prefill: int = 1
+    n_decode: int = 1
+    serve_bootstrap: bool = False
+    mem_kind: str = "DRAM"
+    gpu_id: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    deadline_s: float = 300.0
+    verify: bool = True
+
+    def my_requests(self) -> list[Request]:
+        """Request i goes to prefill instance i % n_prefill and decode instance i % n_decode."""
+        reqs = self.workload.make_requests()
+        if self.role == "prefill":
+            return [r for i, r in enumerate(reqs) if i % self.n_prefill == self.instance]
+        return [r for i, r in enumerate(reqs) if i % self.n_decode == self.instance]
+
+    def prefill_addr_of(self, index: int) -> str:
+        return self.prefill_addrs[index % self.n_prefill]
+
+
+def _setup(spec: RankSpec) -> dict[str, Any]:
+    """Publish SGLang's runtime config for this rank and fetch the backend's classes."""
+    os.environ.update(spec.env)
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+
+    w = spec.workload
+    sa = ServerArgs(
+        model_path="dummy",
+        device="cpu" if spec.mem_kind == "DRAM" else "cuda",
+        tp_size=spec.tp_size,
+        host="127.0.0.1",
+        port=30000 + spec.instance,
+        page_size=w.page_size,
+        disaggregation_mode=spec.role if spec.role != "bootstrap" else "prefill",
+        disaggregation_transfer_backend="nixl",
+        disaggregation_bootstrap_port=spec.bootstrap_port,
+    )
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=spec.tp_rank, gpu_id=spec.gpu_id))
+    get_parallel().override_permanently(pp_group=None)
+    load_plugins()  # before reading get_kv_class: the plugin rebinds it
+    from sglang.srt.disaggregation import utils
+
+    classes = {
+        t: utils.get_kv_class(utils.TransferBackend.NIXL, getattr(utils.KVClassType, t.upper()))
+        for t in ("kvargs", "manager", "sender", "receiver", "bootstrap_server")
+    }
+    return {"server_args": sa, "classes": classes}
+
+
+class Pools:
+    """KV, aux and state buffers of one rank (numpy for DRAM, torch for VRAM)."""
+
+    def __init__(self, spec: RankSpec) -> None:
+        w = spec.workload
+        self.shape = w.shape
+        self.page_size = w.page_size
+        self.heads = w.shape.heads_per_rank(spec.tp_size)
+        self.head_words = w.shape.head_bytes // 4
+        self.pages = w.pool_pages()
+        self.item_len = w.page_size * self.heads * w.shape.head_bytes
+        self.aux_rows = 4 * w.concurrency + 4
+        self.mem_kind = spec.mem_kind
+        nbytes = self.pages * self.item_len
+        if spec.mem_kind == "VRAM":
+            import torch
+
+            torch.cuda.set_device(spec.gpu_id)
+            self._t = [
+                torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{spec.gpu_id}")
+                for _ in range(w.shape.regions())
+            ]
+            self.kv_ptrs = [t.data_ptr() for t in self._t]
+            self._st = torch.zeros(self.aux_rows * STATE_ITEM_BYTES, dtype=torch.uint8, device=f"cuda:{spec.gpu_id}")
+            self.state_ptr = self._st.data_ptr()
+        else:
+            self.kv = [np.zeros(nbytes, dtype=np.uint8) for _ in range(w.shape.regions())]
+            self.kv_ptrs = [a.ctypes.data for a in self.kv]
+            self.state = np.zeros(self.aux_rows * STATE_ITEM_BYTES, dtype=np.uint8)
+            self.state_ptr = self.state.ctypes.data
+        self.kv_len = nbytes
+        self.aux = [np.zeros(self.aux_rows * n, dtype=np.uint8) for n in AUX_ITEM_BYTES]
+        self.global_heads = (
+            np.zeros(1, np.int64) if w.shape.mla
+            else spec.tp_rank * self.heads + np.arange(self.heads)
+        )
+
+    def region_words(self, r: int) -> Any:
+        """Region ``r`` as (pages, tokens, heads, words) uint32: a numpy or torch view."""
+        if self.mem_kind == "VRAM":
+            import torch
+
+            t = self._t[r].view(torch.int32)
+            return t.view(self.pages, self.page_size, self.heads, self.head_words)
+        return self.kv[r].view(np.uint32).reshape(self.pages, self.page_size, self.heads, self.head_words)
+
+    def fill(self, room: int, pages: np.ndarray) -> None:
+        n = np.arange(len(pages))
+        for r in range(len(self.kv_ptrs)):
+            pat = pattern(room, r, n, self.page_size, self.global_heads, self.head_words)
+            self._write(r, pages, pat)
+
+    def _write(self, r: int, pages: np.ndarray, pat: np.ndarray) -> None:
+        view = self.region_words(r)
+        if self.mem_kind == "VRAM":
+            import torch
+
+            idx = torch.as_tensor(pages, device=view.device, dtype=torch.long)
+            view[idx] = torch.from_numpy(pat.view(np.int32)).to(view.device)
+        else:
+            view[pages] = pat
+
+    def check(self, room: int, pages: np.ndarray) -> int:
+        """Number of pages (over all regions) whose bytes differ from the pattern."""
+        n = np.arange(len(pages))
+        bad = 0
+        for r in range(len(self.kv_ptrs)):
+            pat = pattern(room, r, n, self.page_size, self.global_heads, self.head_words)
+            view = self.region_words(r)
+            if self.mem_kind == "VRAM":
+                import torch
+
+                got = view[torch.as_tensor(pages, device=view.device, dtype=torch.long)].cpu().numpy().view(np.uint32)
+            else:
+                got = view[pages]
+            bad += int(np.count_nonzero((got != pat).reshape(len(pages), -1).any(axis=1)))
+        return bad
+
+    def state_row(self, slot: int) -> Any:
+        if self.mem_kind == "VRAM":
+            return self._st[slot * STATE_ITEM_BYTES : (slot + 1) * STATE_ITEM_BYTES]
+        return self.state[slot * STATE_ITEM_BYTES : (slot + 1) * STATE_ITEM_BYTES]
+
+    def kv_args(self, kvargs_cls: Any, spec: RankSpec) -> Any:
+        from sglang.srt.disaggregation.base.conn import StateType
+
+        w = spec.workload
+        a = kvargs_cls()
+        n = len(self.kv_ptrs)
+        a.engine_rank = spec.tp_rank
+        a.kv_data_ptrs = list(self.kv_ptrs)
+        a.kv_data_lens = [self.kv_len] * n
+        a.kv_item_lens = [self.item_len] * n
+        a.kv_layer_ids = list(range(w.shape.layers)) * (n // w.shape.layers)
+        a.kv_cache_dtype_str = w.shape.dtype
+        a.kv_layout = None
+        a.kv_data_mem_kinds = [spec.mem_kind] * n
+        a.aux_data_ptrs = [b.ctypes.data for b in self.aux]
+        a.aux_data_lens = [b.nbytes for b in self.aux]
+        a.aux_item_lens = list(AUX_ITEM_BYTES)
+        if w.state:
+            a.state_types = [StateType.MAMBA]
+            a.state_data_ptrs = [[self.state_ptr]]
+            a.state_data_lens = [[self.aux_rows * STATE_ITEM_BYTES]]
+            a.state_item_lens = [[STATE_ITEM_BYTES]]
+            a.state_layer_ids = [[0]]
+            a.state_dim_per_tensor = [[0]]
+            a.state_slice_outer_counts = [[1]]
+            a.state_conv_shard_groups = [[None]]
+        else:
+            a.state_types, a.state_data_ptrs, a.state_data_lens = [], [], []
+            a.state_item_lens, a.state_layer_ids, a.state_dim_per_tensor = [], [], []
+            a.state_slice_outer_counts, a.state_conv_shard_groups = [], []
+        a.swa_kv_cache_layout = None
+        a.is_hybrid_mla_backend = False
+        a.ib_device = None
+        a.gpu_id = spec.gpu_id
+        a.kv_head_num = self.heads
+        a.total_kv_head_num = w.shape.kv_heads
+        a.page_size = w.page_size
+        a.system_dp_rank = 0
+        a.rust_http_port = None
+        a.pp_rank = 0
+        a.prefill_start_layer = 0
+        a.prefill_end_layer = None
+        a.mla_compression_ratios = None
+        a.kv_buf_groups = 1
+        a.hidden_kv_layers = 0
+        a.draft_kv_layers = 0
+        a.num_draft_entries = 0
+        return a
+
+
+def _tables(mgr: Any) -> dict[str, int]:
+    """Sizes of every per-room table (they must all return to zero)."""
+    names = [
+        "request_status", "failure_records", "transfer_infos", "req_to_decode_prefix_len",
+        "_staging_outstanding", "_deferred_ack_targets", "room_seen", "room_endpoints",
+        "required_prefill_response_num_table", "prefill_response_tracker",
+        "_deferred_abort_ack_tracker",
+    ]
+    out = {n: len(getattr(mgr, n)) for n in names if isinstance(getattr(mgr, n, None), dict)}
+    tracker = getattr(mgr, "addr_to_rooms_tracker", None)
+    if tracker is not None:
+        out["addr_to_rooms_tracker"] = sum(len(v) for v in tracker.values())
+    for i, w in enumerate(getattr(mgr, "workers", [])):
+        out[f"worker{i}.rooms"] = len(w.rooms)
+    engine = getattr(mgr, "engine", None)
+    if engine is not None:
+        out.update({f"nixl.{k}": v for k, v in engine.agent.live.items()})
+    return out
+
+
+class _Collector:
+    """A registry observer that keeps each room's TransferEvent (descriptors, path)."""
+
+    def __init__(self) -> None:
+        self.events: dict[int, Any] = {}
+
+    def sgl_nixl_transfer_done(self, event: Any) -> None:
+        self.events[event.room] = event
+
+
+def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any]:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    cls = env["classes"]
+    pools = Pools(spec)
+    server = None
+    if spec.serve_bootstrap:
+        server = cls["bootstrap_server"](host="127.0.0.1", port=spec.bootstrap_port)
+    collector = _Collector()
+    try:
+        from sgl_nixl_plugin.registry import manager as registry
+
+        registry.get_plugin_manager().register(collector)
+    except Exception:
+        pass
+    is_mla = spec.workload.shape.mla
+    mgr = cls["manager"](pools.kv_args(cls["kvargs"], spec), DisaggregationMode.PREFILL, env["server_args"], is_mla)
+    w = spec.workload
+    pool = PagePool(pools.pages, seed=w.seed + 17 * spec.instance + 1)
+    slots = list(range(1, pools.aux_rows))
+    pending = spec.my_requests()
+    active: dict[int, dict[str, Any]] = {}
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + spec.deadline_s
+    while (pending or active) and time.monotonic() < deadline:
+        while pending and len(active) < w.concurrency:
+            r = pending[0]
+            pages = pool.alloc(r.pages(w.page_size), r.contiguous)
+            if pages is None:
+                break
+            pending.pop(0)
+            slot = slots.pop()
+            pools.fill(r.room, pages)
+            for b, buf in enumerate(pools.aux):
+                n = AUX_ITEM_BYTES[b]
+                buf[slot * n : (slot + 1) * n] = aux_pattern(r.room, b, n)
+            if r.with_state:
+                row = pools.state_row(slot)
+                pat = state_pattern(r.room, STATE_ITEM_BYTES)
+                if spec.mem_kind == "VRAM":
+                    import torch
+
+                    row.copy_(torch.from_numpy(pat))
+                else:
+                    row[:] = pat
+            sender = cls["sender"](mgr=mgr, bootstrap_addr=f"127.0.0.1:{spec.bootstrap_port}", bootstrap_room=r.room)
+            active[r.room] = {"req": r, "sender": sender, "pages": pages, "slot": slot, "sent": False, "t0": time.perf_counter()}
+        for room, ctx in list(active.items()):
+            sender, r = ctx["sender"], ctx["req"]
+            status = sender.poll()
+            if status == KVPoll.WaitingForInput and not ctx["sent"]:
+                ctx["sent"] = True
+                t = time.perf_counter()
+                sender.init(len(ctx["pages"]), ctx["slot"])
+                parts = np.array_split(ctx["pages"], r.chunks)
+                for i, part in enumerate(parts):
+                    last = i == len(parts) - 1
+                    state = [np.array([ctx["slot"]], dtype=np.int32)] if (last and r.with_state) else None
+                    sender.send(part.astype(np.int32), state_indices=state)
+                ctx["control_us"] = (time.perf_counter() - t) * 1e6
+            elif status in (KVPoll.Success, KVPoll.Failed):
+                reason = None
+                if status == KVPoll.Failed:
+                    try:
+                        sender.failure_exception()
+                    except Exception as exc:
+                        reason = str(exc)
+                else:
+                    sender.clear()
+                ev = collector.events.get(room)
+                results[room] = {
+                    "ok": status == KVPoll.Success,
+                    "reason": reason,
+                    "control_us": ctx.get("control_us", 0.0),
+                    "descriptors": getattr(ev, "descriptors", None),
+                    "path": getattr(ev, "path", None),
+                }
+                pool.release(ctx["pages"])
+                slots.append(ctx["slot"])
+                del active[room]
+        time.sleep(0.0005)
+    timed_out = [r.room for r in pending] + list(active)
+    done.wait(timeout=max(1.0, deadline - time.monotonic()))
+    time.sleep(0.2)  # let the last status frames leave before the sockets close
+    tables = _tables(mgr)
+    close = getattr(mgr, "close", None)
+    if close is not None:
+        close()
+    if server is not None:
+        server.close()
+    return {"results": results, "timed_out": timed_out, "tables": tables}
+
+
+def run_decode(spec: RankSpec, env: dict[str, Any]) -> dict[str, Any]:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    cls = env["classes"]
+    pools = Pools(spec)
+    is_mla = spec.workload.shape.mla
+    mgr = cls["manager"](pools.kv_args(cls["kvargs"], spec), DisaggregationMode.DECODE, env["server_args"], is_mla)
+    w = spec.workload
+    pool = PagePool(pools.pages, seed=w.seed + 31 * spec.instance + 7 * spec.tp_rank + 2)
+    slots = list(range(1, pools.aux_rows))
+    reqs = spec.workload.make_requests()
+    index_of = {r.room: i for i, r in enumerate(reqs)}
+    pending = spec.my_requests()
+    active: dict[int, dict[str, Any]] = {}
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + spec.deadline_s
+    ready: set[str] = set()
+    while (pending or active) and time.monotonic() < deadline:
+        while pending and len(active) < w.concurrency:
+            r = pending[0]
+            addr = spec.prefill_addr_of(index_of[r.room])
+            if addr not in ready:
+                if not mgr.try_ensure_parallel_info(addr):
+                    break
+                ready.add(addr)
+            pages = pool.alloc(r.pages(w.page_size), r.contiguous)
+            if pages is None:
+                break
+            pending.pop(0)
+            slot = slots.pop()
+            for buf, n in zip(pools.aux, AUX_ITEM_BYTES):
+                buf[slot * n : (slot + 1) * n] = 0
+            receiver = cls["receiver"](mgr=mgr, bootstrap_addr=addr, bootstrap_room=r.room)
+            receiver.init(0)
+            state = [np.array([slot], dtype=np.int32)] if r.with_state else None
+            t0 = time.perf_counter()
+            receiver.send_metadata(pages, slot, state)
+            active[r.room] = {"req": r, "receiver": receiver, "pages": pages, "slot": slot, "t0": t0}
+        for room, ctx in list(active.items()):
+            receiver, r = ctx["receiver"], ctx["req"]
+            status = receiver.poll()
+            # SGLang's metadata gate: Success only counts once the bootstrap_room aux row landed.
+            if status == KVPoll.Success and not pools.aux[1][ctx["slot"] * AUX_ITEM_BYTES[1]:(ctx["slot"] + 1) * AUX_ITEM_BYTES[1]].any():
+                continue
+            if status not in (KVPoll.Success, KVPoll.Failed):
+                continue
+            latency = time.perf_counter() - ctx["t0"]
+            res: dict[str, Any] = {"ok": status == KVPoll.Success, "latency_s": latency, "reason": None}
+            if status == KVPoll.Failed:
+                try:
+                    receiver.failure_exception()
+                except Exception as exc:
+                    res["reason"] = str(exc)
+            else:
+                receiver.clear()
+                res["bytes"] = len(ctx["pages"]) * pools.item_len * len(pools.kv_ptrs)
+                if spec.verify:
+                    res["bad_pages"] = pools.check(room, ctx["pages"])
+                    slot = ctx["slot"]
+                    res["bad_aux"] = sum(
+                        int(not np.array_equal(buf[slot * n : (slot + 1) * n], aux_pattern(room, b, n)))
+                        for b, (buf, n) in enumerate(zip(pools.aux, AUX_ITEM_BYTES))
+                    )
+                    if r.with_state:
+                        row = pools.state_row(slot)
+                        got = row.cpu().numpy() if spec.mem_kind == "VRAM" else row
+                        res["bad_state"] = int(not np.array_equal(got, state_pattern(room, STATE_ITEM_BYTES)))
+            results[room] = res
+            pool.release(ctx["pages"])
+            slots.append(ctx["slot"])
+            del active[room]
+        time.sleep(0.0005)
+    timed_out = [r.room for r in pending] + list(active)
+    tables = _tables(mgr)
+    close = getattr(mgr, "close", None)
+    if close is not None:
+        close()
+    return {"results": results, "timed_out": timed_out, "tables": tables}
+
+
+def run_bootstrap(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any]:
+    server = env["classes"]["bootstrap_server"](host="127.0.0.1", port=spec.bootstrap_port)
+    done.wait(timeout=spec.deadline_s)
+    server.close()
+    return {"results": {}, "timed_out": [], "tables": {}}
+
+
+def rank_main(spec: RankSpec, out: Any, done: Any) -> None:
+    """Process entry point: runs one rank and puts ``(role, instance, tp_rank, result)`` on ``out``."""
+    key = (spec.role, spec.instance, spec.tp_rank)
+    try:
+        logging.basicConfig(level=os.environ.get("SGL_NIXL_BENCH_LOG", "WARNING"))
+        env = _setup(spec)
+        if spec.role == "prefill":
+            result = run_prefill(spec, env, done)
+        elif spec.role == "decode":
+            result = run_decode(spec, env)
+        else:
+            result = run_bootstrap(spec, env, done)
+        out.put((*key, result))
+    except BaseException:
+        out.put((*key, {"error": traceback.format_exc()}))

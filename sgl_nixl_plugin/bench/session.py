@@ -1,0 +1,202 @@
+"""A whole PD session in local processes: bootstrap, prefill ranks, decode ranks.
+
+Used by ``sgl-nixl-plugin bench`` and by the end-to-end tests. Every process has a
+deadline and is terminated (then killed) when the session ends, whatever happened.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from sgl_nixl_plugin.bench.rank import RankSpec, rank_main
+from sgl_nixl_plugin.bench.workload import Workload
+
+LOOPBACK_ENV = {
+    # Keep every byte of control and data traffic on the loopback interface.
+    "SGLANG_HOST_IP": "127.0.0.1",
+    "UCX_NET_DEVICES": "lo",
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
+    "PYTHONWARNINGS": "ignore",
+}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class SessionConfig:
+    workload: Workload
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    n_prefill: int = 1
+    n_decode: int = 1
+    backend: str = "plugin"  # plugin | in-tree
+    mem_kind: str = "DRAM"
+    prefill_gpu: int = 0
+    decode_gpu: int = 0
+    separate_bootstrap: bool = False
+    timeout_s: float = 300.0
+    env: dict[str, str] = field(default_factory=dict)
+    verify: bool = True
+
+
+@dataclass
+class SessionResult:
+    config: SessionConfig
+    wall_s: float
+    prefill: dict[tuple[int, int], dict[str, Any]]
+    decode: dict[tuple[int, int], dict[str, Any]]
+    errors: list[str]
+    processes: dict[str, Any] = field(default_factory=dict)
+
+    def decode_results(self) -> dict[int, dict[str, Any]]:
+        """Per room, merged across decode TP ranks (a room is ok only if every rank is)."""
+        out: dict[int, dict[str, Any]] = {}
+        for res in self.decode.values():
+            for room, r in res.get("results", {}).items():
+                prev = out.get(room)
+                if prev is None:
+                    out[room] = dict(r)
+                else:
+                    prev["ok"] = prev["ok"] and r["ok"]
+                    for k in ("bytes", "bad_pages", "bad_aux", "bad_state"):
+                        if k in r:
+                            prev[k] = prev.get(k, 0) + r[k]
+                    prev["latency_s"] = max(prev.get("latency_s", 0), r.get("latency_s", 0))
+                    prev["reason"] = prev.get("reason") or r.get("reason")
+        return out
+
+
+def _specs(cfg: SessionConfig) -> tuple[list[RankSpec], list[str]]:
+    env = {**LOOPBACK_ENV, **cfg.env}
+    if cfg.backend == "in-tree":
+        env["SGLANG_PLUGINS"] = "__none__"  # exclude our plugin: SGLang's own nixl classes
+    ports = [free_port() for _ in range(cfg.n_prefill)]
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    specs = []
+    common = dict(
+        workload=cfg.workload, n_prefill=cfg.n_prefill, n_decode=cfg.n_decode, env=env,
+        deadline_s=cfg.timeout_s, mem_kind=cfg.mem_kind, verify=cfg.verify,
+    )
+    for i, port in enumerate(ports):
+        if cfg.separate_bootstrap:
+            specs.append(RankSpec("bootstrap", i, cfg.prefill_tp, 0, bootstrap_port=port, **common))
+        for r in range(cfg.prefill_tp):
+            specs.append(
+                RankSpec(
+                    "prefill", i, cfg.prefill_tp, r, bootstrap_port=port,
+                    serve_bootstrap=(r == 0 and not cfg.separate_bootstrap),
+                    gpu_id=cfg.prefill_gpu, **common,
+                )
+            )
+    for i in range(cfg.n_decode):
+        for r in range(cfg.decode_tp):
+            specs.append(
+                RankSpec(
+                    "decode", i, cfg.decode_tp, r, bootstrap_port=0, prefill_addrs=addrs,
+                    gpu_id=cfg.decode_gpu, **common,
+                )
+            )
+    return specs, addrs
+
+
+class Session:
+    """Starts every rank; ``wait`` collects results; ``kill`` is for failure tests."""
+
+    def __init__(self, cfg: SessionConfig) -> None:
+        self.cfg = cfg
+        self.ctx = mp.get_context("spawn")
+        self.out = self.ctx.Queue()
+        self.done = self.ctx.Event()
+        self.specs, self.addrs = _specs(cfg)
+        self.procs: dict[tuple[str, int, int], Any] = {}
+        self.started = time.monotonic()
+
+    def start(self) -> Session:
+        for spec in self.specs:
+            p = self.ctx.Process(
+                target=rank_main, args=(spec, self.out, self.done), daemon=True,
+                name=f"{spec.role}{spec.instance}.{spec.tp_rank}",
+            )
+            p.start()
+            self.procs[(spec.role, spec.instance, spec.tp_rank)] = p
+        return self
+
+    def kill(self, role: str, instance: int = 0, tp_rank: int = 0) -> None:
+        p = self.procs[(role, instance, tp_rank)]
+        p.kill()
+        p.join(timeout=10)
+
+    def wait(self) -> SessionResult:
+        expected = {k for k, p in self.procs.items() if k[0] != "bootstrap"}
+        got: dict[tuple[str, int, int], dict[str, Any]] = {}
+        errors: list[str] = []
+        deadline = self.started + self.cfg.timeout_s + 60
+        decodes = {k for k in expected if k[0] == "decode"}
+        try:
+            while True:
+                dead = self._dead()
+                missing = expected - set(got) - dead
+                if not missing:
+                    break
+                if decodes <= set(got) | dead:
+                    self.done.set()  # decodes finished: prefills may close their sockets
+                try:
+                    role, inst, rank, res = self.out.get(timeout=1.0)
+                except queue.Empty:
+                    if time.monotonic() > deadline:
+                        errors.append(f"session timed out; missing {sorted(missing)}")
+                        break
+                    continue
+                got[(role, inst, rank)] = res
+                if "error" in res:
+                    errors.append(f"{role}{inst}.{rank}: {res['error']}")
+            for k in sorted(self._dead() - set(got)):
+                errors.append(f"{k[0]}{k[1]}.{k[2]} died with exit code {self.procs[k].exitcode}")
+        finally:
+            self.done.set()
+            self._reap()
+        wall = time.monotonic() - self.started
+        return SessionResult(
+            self.cfg,
+            wall,
+            {(k[1], k[2]): v for k, v in got.items() if k[0] == "prefill"},
+            {(k[1], k[2]): v for k, v in got.items() if k[0] == "decode"},
+            errors,
+            {f"{k[0]}{k[1]}.{k[2]}": p.exitcode for k, p in self.procs.items()},
+        )
+
+    def _dead(self) -> set[tuple[str, int, int]]:
+        return {k for k, p in self.procs.items() if not p.is_alive() and p.exitcode not in (0, None)}
+
+    def _reap(self) -> None:
+        for p in self.procs.values():
+            p.join(timeout=15)
+        for p in self.procs.values():
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def run_session(cfg: SessionConfig) -> SessionResult:
+    return Session(cfg).start().wait()
+
+
+def with_backend(cfg: SessionConfig, backend: str) -> SessionConfig:
+    return replace(cfg, backend=backend)
+
+
+def cpu_count() -> int:
+    return os.cpu_count() or 1

@@ -1,0 +1,163 @@
+"""Workloads for PD sessions: model shapes, requests, page allocation, byte patterns.
+
+Every process of a session derives the same requests from the same seed, so prefill and
+decode agree on rooms and sizes without talking. Page contents follow a pattern of
+(room, region, page of the request, token, *global* head, word), so a decode rank can
+check every byte it received even when its heads are a slice of a prefill rank's heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1, "float8_e4m3fn": 1}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the KV pool of one model looks like, before tensor parallelism splits it."""
+
+    name: str
+    layers: int
+    kv_heads: int  # total KV heads (1 for MLA)
+    head_dim: int  # per head; for MLA the latent width (kv_lora_rank + rope dim)
+    dtype: str = "bfloat16"
+    mla: bool = False
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def head_bytes(self) -> int:
+        return self.head_dim * self.dtype_bytes
+
+    def heads_per_rank(self, tp: int) -> int:
+        if self.mla:
+            return 1
+        if self.kv_heads % tp:
+            raise ValueError(f"{self.kv_heads} KV heads do not split over TP {tp}")
+        return self.kv_heads // tp
+
+    def regions(self) -> int:
+        """K and V per layer for MHA; one latent buffer per layer for MLA."""
+        return self.layers if self.mla else 2 * self.layers
+
+    def token_bytes(self, tp: int = 1) -> int:
+        """KV bytes of one token held by one rank."""
+        return self.regions() * self.heads_per_rank(tp) * self.head_bytes
+
+
+PRESETS = {
+    "llama-3.1-8b": ModelShape("llama-3.1-8b", 32, 8, 128),
+    "deepseek-mla": ModelShape("deepseek-mla", 61, 1, 576, mla=True),
+    "tiny": ModelShape("tiny", 4, 4, 16, "float16"),
+    "tiny-mla": ModelShape("tiny-mla", 4, 1, 32, "float16", mla=True),
+}
+
+AUX_ITEM_BYTES = (64, 8)  # two metadata buffers: "output ids" rows and "bootstrap_room" rows
+STATE_ITEM_BYTES = 256  # one state component (e.g. a Mamba/SWA slot per request)
+
+
+@dataclass(frozen=True)
+class Request:
+    room: int
+    tokens: int
+    chunks: int
+    contiguous: bool
+    with_state: bool
+
+    def pages(self, page_size: int) -> int:
+        return -(-self.tokens // page_size)
+
+
+@dataclass(frozen=True)
+class Workload:
+    shape: ModelShape
+    page_size: int = 16
+    requests: int = 32
+    min_tokens: int = 256
+    max_tokens: int = 1024
+    concurrency: int = 8
+    chunks: tuple[int, ...] = (1,)
+    fragmentation: str = "random"  # random | contiguous | mixed
+    state: bool = True
+    seed: int = 1234
+    extra_pool_pages: int = 8
+
+    def make_requests(self) -> list[Request]:
+        rng = np.random.default_rng(self.seed)
+        out = []
+        for i in range(self.requests):
+            tokens = int(rng.integers(self.min_tokens, self.max_tokens + 1))
+            contiguous = {
+                "random": False, "contiguous": True, "mixed": bool(i % 2)
+            }[self.fragmentation]
+            room = int(rng.integers(1, 2**63 - 1))
+            out.append(Request(room, tokens, self.chunks[i % len(self.chunks)], contiguous, self.state))
+        return out
+
+    def pool_pages(self) -> int:
+        per_req = -(-self.max_tokens // self.page_size)
+        return per_req * self.concurrency + self.extra_pool_pages
+
+
+@dataclass
+class PagePool:
+    """A free list of pages; random allocations scatter, contiguous ones take a run."""
+
+    num_pages: int
+    seed: int
+    free: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.seed)
+        self.mask = np.ones(self.num_pages, dtype=bool)
+        self.mask[0] = False  # page 0 stays unused, as SGLang keeps it for padding
+
+    def alloc(self, n: int, contiguous: bool) -> np.ndarray | None:
+        free = np.flatnonzero(self.mask)
+        if len(free) < n:
+            return None
+        if contiguous:
+            # first run of n free pages
+            if n == 0:
+                return np.empty(0, np.int32)
+            starts = free[: len(free) - n + 1]
+            ok = free[n - 1 :] - starts == n - 1
+            hits = np.flatnonzero(ok)
+            if not len(hits):
+                return None
+            pages = np.arange(starts[hits[0]], starts[hits[0]] + n)
+        else:
+            pages = self.rng.choice(free, size=n, replace=False)
+        self.mask[pages] = False
+        return pages.astype(np.int32)
+
+    def release(self, pages: np.ndarray) -> None:
+        self.mask[pages] = True
+
+
+def pattern(
+    room: int, region: int, page_in_req: np.ndarray, page_size: int, heads: np.ndarray,
+    head_words: int,
+) -> np.ndarray:
+    """uint32 words for pages ``page_in_req`` of a request: shape (pages, tokens, heads, words)."""
+    base = np.uint32((room * 2654435761 + region * 40503) & 0xFFFFFFFF)
+    p = page_in_req.astype(np.uint32)[:, None, None, None] * np.uint32(1_000_003)
+    t = np.arange(page_size, dtype=np.uint32)[None, :, None, None] * np.uint32(7919)
+    h = heads.astype(np.uint32)[None, None, :, None] * np.uint32(104729)
+    w = np.arange(head_words, dtype=np.uint32)[None, None, None, :]
+    return base + p + t + h + w
+
+
+def aux_pattern(room: int, buf: int, nbytes: int) -> np.ndarray:
+    rng = np.random.default_rng([room & 0xFFFFFFFF, room >> 32, buf])
+    return rng.integers(1, 256, nbytes, dtype=np.uint8)
+
+
+def state_pattern(room: int, nbytes: int) -> np.ndarray:
+    rng = np.random.default_rng([room & 0xFFFFFFFF, room >> 32, 99])
+    return rng.integers(0, 256, nbytes, dtype=np.uint8)

@@ -1,0 +1,52 @@
+"""Decide, before touching SGLang, whether this plugin may register at all.
+
+An unsupported SGLang (or one whose interfaces moved) must not get half-working classes:
+the bridge then leaves SGLang's in-tree backends alone and logs why, or, in strict mode,
+stops the process so a misconfigured deployment fails at start-up rather than per request.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from sgl_nixl_plugin import __version__, compat
+
+#: Set to 1/true/yes/on to make an unsupported SGLang a start-up failure instead of a warning.
+STRICT_ENV = "SGL_NIXL_PLUGIN_STRICT"
+_TRUE = {"1", "true", "yes", "on", "y"}
+
+
+def strict_mode() -> bool:
+    """Whether ``SGL_NIXL_PLUGIN_STRICT`` asks for a hard failure."""
+    return os.environ.get(STRICT_ENV, "").strip().lower() in _TRUE
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """The gate's verdict: no problems means the plugin may register."""
+
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def message(self) -> str:
+        """One self-contained line for the log (or the SystemExit text in strict mode)."""
+        if self.ok:
+            return ""
+        return (
+            f"sgl-nixl-plugin {__version__} is NOT active; SGLang's in-tree transfer backends "
+            f"stay in use. Reason: {' | '.join(self.problems)}"
+            f" (set {STRICT_ENV}=1 to make this a start-up failure)"
+            if not strict_mode()
+            else f"sgl-nixl-plugin {__version__} refuses to start ({STRICT_ENV} is set). "
+            f"Reason: {' | '.join(self.problems)}"
+        )
+
+
+def evaluate() -> GateResult:
+    """Check the installed SGLang's version and the signatures we rely on."""
+    return GateResult(problems=tuple(compat.check_sglang()))

@@ -1,0 +1,1 @@
+"""Command-line interface: ``sgl-nixl-plugin {version,doctor,bench}``."""

@@ -1,0 +1,491 @@
+"""``sgl-nixl-plugin doctor``: can a prefill/decode KV transfer work on this machine?
+
+Each check is a function ``check(ctx) -> list[CheckResult]`` in :data:`CHECKS`, run in order;
+later checks read what earlier ones found from ``ctx.facts``. To add a check (e.g. a
+security warning), write such a function and append it to :data:`CHECKS`. A ``fail`` result
+makes the exit code non-zero; ``warn`` and ``info`` are reported only.
+
+Heavy imports (SGLang, torch, NIXL) happen inside the checks, never at module import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import io
+import json
+import os
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from sgl_nixl_plugin import __version__, compat
+
+Status = Literal["ok", "warn", "fail", "info"]
+
+#: The ``sglang.srt.plugins`` entry point SGLang must discover for the plugin to load.
+SGLANG_PLUGIN_GROUP = "sglang.srt.plugins"
+SGLANG_PLATFORM_GROUP = "sglang.srt.platforms"
+OUR_ENTRY_POINT_VALUE = "sgl_nixl_plugin.bridge.entry:register"
+#: NIXL backends that move memory between hosts (the storage plugins are of no use for PD).
+TRANSFER_BACKEND_CANDIDATES: tuple[str, ...] = ("UCX", "LIBFABRIC", "UCCL", "MOONCAKE", "GPUNETIO")
+NIXL_PROBE_TIMEOUT_S = 60.0
+
+
+@dataclass
+class CheckResult:
+    """One row of the doctor's table."""
+
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class DoctorContext:
+    """Shared state of one doctor run; ``facts`` also goes into ``--json`` output."""
+
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+Check = Callable[[DoctorContext], list[CheckResult]]
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_plugin(ctx: DoctorContext) -> list[CheckResult]:
+    """Which plugin build is running, and the backends its registry provides."""
+    from sgl_nixl_plugin.registry import manager
+
+    ctx.facts["plugin_version"] = __version__
+    results = [
+        CheckResult(
+            "sgl-nixl-plugin",
+            "info",
+            f"{__version__} ({os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})",
+        )
+    ]
+    specs = manager.backends()
+    ctx.facts["backends"] = {name: spec.classes_module for name, spec in specs.items()}
+    if specs:
+        detail = ", ".join(f"{name} -> {spec.classes_module}" for name, spec in specs.items())
+        results.append(CheckResult("registered backends", "ok", detail))
+    else:
+        results.append(
+            CheckResult(
+                "registered backends",
+                "fail",
+                "no transfer backend registered",
+                "reinstall: pip install --force-reinstall sgl-nixl-plugin",
+            )
+        )
+    return results
+
+
+def _fix_unless_said(problems: list[str]) -> str:
+    return "" if any(compat.FIX_HINT in p for p in problems) else compat.FIX_HINT
+
+
+def check_sglang(ctx: DoctorContext) -> list[CheckResult]:
+    """SGLang installed, in the supported range, and with the signatures we rely on."""
+    found = compat.installed_sglang_version()
+    overridden = bool(os.environ.get(compat.VERSION_OVERRIDE_ENV, "").strip())
+    ctx.facts["sglang_version"] = found
+    ctx.facts["sglang_supported_range"] = compat.SUPPORTED_SGLANG
+    label = f"{found}{' (override)' if overridden else ''}" if found else "not installed"
+    problems = compat.check_version()
+    if problems:
+        ctx.facts["sglang_ok"] = False
+        return [CheckResult("SGLang", "fail", f"{label}: {problems[0]}", _fix_unless_said(problems))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SGLang's CPU-only import warnings are noise here
+        problems = compat.check_signatures()
+    ctx.facts["sglang_ok"] = not problems
+    if problems:
+        return [
+            CheckResult(
+                "SGLang",
+                "fail",
+                f"{label}, in range {compat.SUPPORTED_SGLANG}, but: " + "; ".join(problems),
+                _fix_unless_said(problems),
+            )
+        ]
+    return [
+        CheckResult(
+            "SGLang", "ok", f"{label}, supported ({compat.SUPPORTED_SGLANG}), signatures match"
+        )
+    ]
+
+
+def _allowed_plugin_names() -> set[str] | None:
+    """``SGLANG_PLUGINS`` as SGLang reads it: unset or empty = no restriction."""
+    raw = os.environ.get("SGLANG_PLUGINS")
+    if not raw:
+        return None
+    return {part.strip() for part in raw.split(",") if part.strip()}
+
+
+def check_discovery(ctx: DoctorContext) -> list[CheckResult]:
+    """Would SGLang's ``load_plugins()`` find and run our entry point in this environment?"""
+    ours = [
+        ep
+        for ep in importlib.metadata.entry_points(group=SGLANG_PLUGIN_GROUP)
+        if ep.value == OUR_ENTRY_POINT_VALUE
+    ]
+    ctx.facts["entry_points"] = [ep.name for ep in ours]
+    if not ours:
+        ctx.facts["discoverable"] = False
+        return [
+            CheckResult(
+                "SGLang discovery",
+                "fail",
+                f"no {SGLANG_PLUGIN_GROUP!r} entry point -> {OUR_ENTRY_POINT_VALUE} is installed",
+                "install the package (pip install sgl-nixl-plugin) into the same environment "
+                "as SGLang",
+            )
+        ]
+    results: list[CheckResult] = []
+    allowed = _allowed_plugin_names()
+    selected_platform = os.environ.get("SGLANG_PLATFORM", "")
+    platform_dists = {
+        ep.dist.name
+        for ep in importlib.metadata.entry_points(group=SGLANG_PLATFORM_GROUP)
+        if ep.dist and ep.name != selected_platform
+    }
+    usable = []
+    for ep in ours:
+        if allowed is not None and ep.name not in allowed:
+            continue
+        if selected_platform and ep.dist and ep.dist.name in platform_dists:
+            continue
+        usable.append(ep)
+    ctx.facts["discoverable"] = bool(usable)
+    if not usable:
+        why = (
+            f"SGLANG_PLUGINS={os.environ.get('SGLANG_PLUGINS', '')!r} excludes it"
+            if allowed is not None
+            else f"SGLANG_PLATFORM={selected_platform!r} excludes its distribution"
+        )
+        results.append(
+            CheckResult(
+                "SGLang discovery",
+                "fail",
+                f"entry point {ours[0].name!r} is installed but {why}",
+                f"add {ours[0].name} to SGLANG_PLUGINS (comma-separated) or unset it",
+            )
+        )
+        return results
+    ep = usable[0]
+    dist_version = ep.dist.version if ep.dist else None
+    results.append(
+        CheckResult(
+            "SGLang discovery",
+            "ok",
+            f"entry point {ep.name!r} in {SGLANG_PLUGIN_GROUP!r}"
+            + (" (SGLANG_PLUGINS allows it)" if allowed is not None else ""),
+        )
+    )
+    if dist_version and dist_version != __version__:
+        results.append(
+            CheckResult(
+                "install metadata",
+                "warn",
+                f"installed metadata says {dist_version} but the code is {__version__}",
+                "reinstall the package",
+            )
+        )
+    return results
+
+
+@contextlib.contextmanager
+def _captured_native_output() -> Iterator[io.StringIO]:
+    """Send fds 1 and 2 to a buffer: NIXL's C++ logs must not corrupt ``--json`` output."""
+    captured = io.StringIO()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = (os.dup(1), os.dup(2))
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+            sink.seek(0)
+            captured.write(sink.read().decode("utf-8", "replace"))
+
+
+def _probe_nixl(backend: str, params: dict[str, str], num_threads: int) -> dict[str, Any]:
+    """Create a throwaway agent and try each candidate backend; never raises."""
+    result: dict[str, Any] = {"plugins": [], "backends": {}}
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        agent = nixl_agent(
+            f"sgl-nixl-doctor-{os.getpid()}",
+            nixl_agent_config(enable_prog_thread=False, backends=[], num_threads=num_threads),
+        )
+        plugins = list(agent.get_plugin_list())
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        return result
+    result["plugins"] = plugins
+    # The configured backend always; the other candidates only if this NIXL build has them.
+    names = [backend] + [
+        name for name in TRANSFER_BACKEND_CANDIDATES if name != backend and name in plugins
+    ]
+    for name in names:
+        entry: dict[str, Any] = {"configured": name == backend}
+        if name not in plugins:
+            entry.update(ok=False, error="plugin not present in this NIXL build")
+            result["backends"][name] = entry
+            continue
+        try:
+            agent.create_backend(name, params if name == backend else {})
+            entry["ok"] = True
+            try:
+                entry["mem_types"] = list(agent.get_backend_mem_types(name))
+            except Exception as exc:
+                entry["mem_types"] = []
+                entry["mem_types_error"] = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:
+            entry.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+        result["backends"][name] = entry
+    return result
+
+
+def check_nixl(ctx: DoctorContext) -> list[CheckResult]:
+    """NIXL installed, and which transfer backends it can actually create here."""
+    from sgl_nixl_plugin.registry import manager
+
+    try:
+        ctx.facts["nixl_version"] = importlib.metadata.version("nixl")
+    except importlib.metadata.PackageNotFoundError:
+        ctx.facts["nixl_version"] = None
+        return [CheckResult("NIXL", "fail", "not installed", "pip install 'nixl>=1.5'")]
+    try:
+        config = manager.resolve_agent_config()
+    except ValueError as exc:
+        return [
+            CheckResult(
+                "NIXL agent config", "fail", str(exc), f"fix {manager.BACKEND_PARAMS_ENV}"
+            )
+        ]
+    ctx.facts["agent_config"] = asdict(config)
+
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        outcome.update(_probe_nixl(config.backend, config.backend_params, config.num_threads))
+
+    with _captured_native_output() as native:
+        worker = threading.Thread(target=run, name="sgl-nixl-doctor-probe", daemon=True)
+        worker.start()
+        worker.join(NIXL_PROBE_TIMEOUT_S)
+    if worker.is_alive():
+        outcome = {"error": f"probe did not finish within {NIXL_PROBE_TIMEOUT_S:.0f} s"}
+    ctx.facts["nixl_probe"] = outcome
+    ctx.facts["nixl_native_log_tail"] = native.getvalue()[-2000:]
+
+    version = ctx.facts["nixl_version"]
+    if "error" in outcome:
+        return [
+            CheckResult(
+                "NIXL",
+                "fail",
+                f"{version}: cannot create an agent: {outcome['error']}",
+                "reinstall nixl for this platform (pip install --force-reinstall nixl)",
+            )
+        ]
+    results = [
+        CheckResult("NIXL", "ok", f"{version}; plugins: {', '.join(outcome['plugins']) or '-'}")
+    ]
+    for name, entry in outcome["backends"].items():
+        tag = " (configured)" if entry["configured"] else ""
+        if entry["ok"]:
+            kinds = ", ".join(entry.get("mem_types", [])) or "none reported"
+            results.append(
+                CheckResult(f"NIXL backend {name}", "ok", f"created{tag}; memory types: {kinds}")
+            )
+        elif entry["configured"]:
+            results.append(
+                CheckResult(
+                    f"NIXL backend {name}",
+                    "fail",
+                    f"cannot be created{tag}: {entry['error']}",
+                    f"set {manager.BACKEND_ENV} to a backend marked ok (UCX is the default), "
+                    f"or fix its parameters ({manager.BACKEND_PARAMS_ENV})",
+                )
+            )
+        else:
+            results.append(
+                CheckResult(f"NIXL backend {name}", "info", f"not usable: {entry['error']}")
+            )
+    return results
+
+
+def check_cuda(ctx: DoctorContext) -> list[CheckResult]:
+    """Whether torch sees a GPU (KV in VRAM needs one; host-memory KV does not)."""
+    try:
+        import torch
+
+        available = bool(torch.cuda.is_available())
+        count = int(torch.cuda.device_count()) if available else 0
+    except Exception as exc:
+        ctx.facts["cuda"] = {"available": False, "error": f"{type(exc).__name__}: {exc}"}
+        return [CheckResult("CUDA", "warn", f"cannot query torch: {type(exc).__name__}: {exc}")]
+    ctx.facts["cuda"] = {"available": available, "device_count": count}
+    if available:
+        return [CheckResult("CUDA", "ok", f"visible, {count} device(s)")]
+    return [CheckResult("CUDA", "info", "not visible (torch.cuda.is_available() is False)")]
+
+
+def check_memory_kinds(ctx: DoctorContext) -> list[CheckResult]:
+    """Which memory kinds the configured backend can move here: DRAM and/or VRAM."""
+    probe = ctx.facts.get("nixl_probe") or {}
+    config = ctx.facts.get("agent_config") or {}
+    entry = (probe.get("backends") or {}).get(config.get("backend", ""), {})
+    mem_types = set(entry.get("mem_types", [])) if entry.get("ok") else set()
+    cuda = bool((ctx.facts.get("cuda") or {}).get("available"))
+    usable = []
+    if "DRAM_SEG" in mem_types:
+        usable.append("DRAM")
+    if cuda and "VRAM_SEG" in mem_types:
+        usable.append("VRAM")
+    ctx.facts["memory_kinds"] = usable
+    if not usable:
+        return [
+            CheckResult(
+                "memory kinds",
+                "fail",
+                "none usable: the configured NIXL backend is not available",
+                "see the NIXL backend rows above",
+            )
+        ]
+    parts = [f"{kind} usable" for kind in usable]
+    if "VRAM" not in usable:
+        parts.append(
+            "VRAM not usable ("
+            + ("CUDA not visible" if not cuda else "backend does not report VRAM")
+            + ")"
+        )
+    return [CheckResult("memory kinds", "ok", "; ".join(parts))]
+
+
+#: The checks ``doctor`` runs, in order. Append to add one (see the module docstring).
+CHECKS: list[Check] = [
+    check_plugin,
+    check_sglang,
+    check_discovery,
+    check_nixl,
+    check_cuda,
+    check_memory_kinds,
+]
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass
+class DoctorReport:
+    """All rows plus the verdict; ``ok`` means a PD transfer could work here."""
+
+    results: list[CheckResult]
+    facts: dict[str, Any]
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        return [r for r in self.results if r.status == "fail"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    @property
+    def verdict(self) -> str:
+        if self.ok:
+            return "OK: a prefill/decode KV transfer can work on this machine."
+        reasons = "; ".join(f"{r.name}: {r.detail.rstrip('.')}" for r in self.failures)
+        fixes = " ".join(dict.fromkeys(r.fix for r in self.failures if r.fix))
+        return f"NOT OK: a PD transfer cannot work here because {reasons}." + (
+            f" What to do: {fixes}" if fixes else ""
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "verdict": self.verdict,
+            "plugin_version": __version__,
+            "checks": [asdict(r) for r in self.results],
+            "facts": self.facts,
+        }
+
+
+def run_checks(checks: list[Check] | None = None) -> DoctorReport:
+    """Run ``checks`` (default :data:`CHECKS`); a crashing check becomes a ``warn`` row."""
+    ctx = DoctorContext()
+    results: list[CheckResult] = []
+    for check in CHECKS if checks is None else checks:
+        try:
+            results.extend(check(ctx))
+        except Exception as exc:
+            results.append(
+                CheckResult(
+                    check.__name__, "warn", f"check crashed: {type(exc).__name__}: {exc}"
+                )
+            )
+    return DoctorReport(results=results, facts=ctx.facts)
+
+
+def render_plain(report: DoctorReport) -> str:
+    """Aligned plain-text table (used when ``rich`` is not installed)."""
+    rows = [("CHECK", "STATUS", "DETAIL")] + [
+        (r.name, r.status, r.detail + (f"  -> fix: {r.fix}" if r.fix else ""))
+        for r in report.results
+    ]
+    width0 = max(len(row[0]) for row in rows)
+    width1 = max(len(row[1]) for row in rows)
+    lines = [f"{a:<{width0}}  {b:<{width1}}  {c}" for a, b, c in rows]
+    return "\n".join(lines + ["", report.verdict])
+
+
+def _render_rich(report: DoctorReport) -> bool:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+        from rich.text import Text
+    except ImportError:
+        return False
+    styles = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "cyan"}
+    table = Table(title=f"sgl-nixl-plugin {__version__} doctor")
+    table.add_column("Check", no_wrap=True)
+    table.add_column("Status", no_wrap=True)
+    table.add_column("Detail")
+    for r in report.results:
+        detail = r.detail + (f"\n-> fix: {r.fix}" if r.fix else "")
+        table.add_row(Text(r.name), Text(r.status, style=styles[r.status]), Text(detail))
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(table)
+    console.print(Text(report.verdict, style="green" if report.ok else "bold red"))
+    return True
+
+
+def main(as_json: bool = False, checks: list[Check] | None = None) -> int:
+    """Run the doctor and print the table (or JSON); 0 when a PD transfer could work."""
+    report = run_checks(checks)
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2, default=str))
+    elif not _render_rich(report):
+        print(render_plain(report))
+    return 0 if report.ok else 1

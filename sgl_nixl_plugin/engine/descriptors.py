@@ -1,0 +1,72 @@
+"""Per-request descriptor arithmetic: numpy only, no Python loop per page.
+
+Descriptor lists are prepared once per peer as strided lists (see ``layout``), so a
+request only needs the *indices* of its units in those lists. NIXL merges descriptors
+that are adjacent on both sides, so a run of pages that is contiguous on both sides goes
+out as one descriptor per region; ``count_runs`` predicts that count for planning and
+metrics.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sgl_nixl_plugin.engine.layout import Geometry
+
+
+def region_offsets(unit_counts: np.ndarray) -> np.ndarray:
+    """Index of each region's first unit in the flattened strided list."""
+    offsets = np.zeros(len(unit_counts), dtype=np.int64)
+    np.cumsum(unit_counts[:-1], out=offsets[1:])
+    return offsets
+
+
+def unit_indices(
+    items: np.ndarray, offsets: np.ndarray, units_per_item: int, regions: np.ndarray | None = None
+) -> np.ndarray:
+    """int32 indices of every unit of ``items`` in every region (region-major order)."""
+    items = np.asarray(items, dtype=np.int64)
+    if units_per_item > 1:
+        units = (items[:, None] * units_per_item + np.arange(units_per_item)).ravel()
+    else:
+        units = items
+    base = offsets if regions is None else offsets[regions]
+    idx = base[:, None] + units[None, :]
+    if idx.size and idx[-1, -1] > np.iinfo(np.int32).max:
+        raise OverflowError("descriptor index beyond int32: region set too large for one list")
+    return idx.astype(np.int32, copy=False).ravel()
+
+
+def count_runs(src: np.ndarray, dst: np.ndarray) -> int:
+    """Number of maximal runs in which both page sequences advance by exactly one."""
+    n = len(src)
+    if n == 0:
+        return 0
+    src = np.asarray(src, dtype=np.int64)
+    dst = np.asarray(dst, dtype=np.int64)
+    breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
+    return 1 + int(np.count_nonzero(breaks))
+
+
+def expected_descriptors(
+    src: np.ndarray, dst: np.ndarray, num_regions: int, geometry: Geometry
+) -> int:
+    """Descriptors NIXL will post for these pages once adjacent ones are merged."""
+    if geometry.merges_across_items:
+        return num_regions * count_runs(src, dst)
+    return num_regions * len(src) * geometry.units_per_item
+
+
+def naive_descriptors(n_items: int, num_regions: int, geometry: Geometry) -> int:
+    """One descriptor per page (or per token slice) per region: the unmerged count."""
+    return num_regions * n_items * geometry.units_per_item
+
+
+def validate_items(items: np.ndarray, limit: int, what: str) -> str | None:
+    """An error message if any index is outside ``[0, limit)``, else None."""
+    if len(items) == 0:
+        return None
+    lo, hi = int(items.min()), int(items.max())
+    if lo < 0 or hi >= limit:
+        return f"{what} index out of range: [{lo}, {hi}] not within [0, {limit})"
+    return None

@@ -1,0 +1,208 @@
+"""The transfer engine: local memory, one prepared link per peer, and page WRITEs.
+
+SGLang-independent. A prefill process creates one engine over its KV, aux and state
+buffers; each decode rank it serves becomes a ``PeerLink`` at first contact, when the
+strided descriptor lists on both sides are prepared. Per request the engine does only
+index arithmetic (``descriptors``) and one ``make_prepped_xfer`` per buffer group.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sgl_nixl_plugin.engine.agent import Agent, TransferError, Xfer
+from sgl_nixl_plugin.engine.descriptors import (
+    expected_descriptors,
+    region_offsets,
+    unit_indices,
+)
+from sgl_nixl_plugin.engine.layout import Geometry, RegionSet
+from sgl_nixl_plugin.registry.spec import AgentConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The buffers one side exposes: KV pages, aux (metadata) rows, state components."""
+
+    kv: RegionSet
+    aux: RegionSet
+    state: tuple[RegionSet, ...] = ()
+
+    def groups(self) -> dict[str, RegionSet]:
+        out = {"kv": self.kv, "aux": self.aux}
+        out.update({f"state{i}": s for i, s in enumerate(self.state)})
+        return {k: v for k, v in out.items() if len(v)}
+
+
+@dataclass
+class _Side:
+    """A prepared list and where each region's units start in it."""
+
+    dlist: Any
+    offsets: np.ndarray
+
+
+@dataclass
+class GroupLink:
+    """One buffer group (kv, aux, stateN) between us and a peer."""
+
+    geometry: Geometry
+    local: _Side
+    remote: _Side
+    unit_bytes: int  # bytes moved per item across all regions
+    num_regions: int
+    remote_items: int  # smallest destination region, in items: the bound for indices
+    local_items: int
+
+
+@dataclass
+class PeerLink:
+    """Everything prepared for WRITEs to one remote agent."""
+
+    name: str
+    groups: dict[str, GroupLink] = field(default_factory=dict)
+
+
+class TransferEngine:
+    """Owns the agent and the local memory; builds links and posts WRITEs."""
+
+    def __init__(self, config: AgentConfig, memory: Memory, name: str | None = None) -> None:
+        self.agent = Agent(config, name)
+        self.memory = memory
+        self._local_lists: dict[tuple[str, Geometry], _Side] = {}
+        self._lock = threading.Lock()
+        for regions in memory.groups().values():
+            self.agent.register(regions)
+
+    @property
+    def name(self) -> str:
+        return self.agent.name
+
+    @property
+    def metadata(self) -> bytes:
+        return self.agent.metadata
+
+    def _local_side(self, group: str, geometry: Geometry) -> _Side:
+        key = (group, geometry)
+        with self._lock:
+            side = self._local_lists.get(key)
+            if side is None:
+                regions = self.memory.groups()[group]
+                dlist = self.agent.prep(None, geometry.strided(regions, "src"), regions.mem_kind)
+                side = _Side(dlist, region_offsets(geometry.unit_counts(regions)))
+                self._local_lists[key] = side
+            return side
+
+    def link(
+        self, metadata: bytes, remote: Memory, geometries: dict[str, Geometry] | None = None
+    ) -> PeerLink:
+        """Add the peer and prepare every group both sides have; whole items by default."""
+        name = self.agent.add_peer(metadata)
+        link = PeerLink(name)
+        local_groups, remote_groups = self.memory.groups(), remote.groups()
+        try:
+            for group, local in local_groups.items():
+                theirs = remote_groups.get(group)
+                if theirs is None:
+                    continue
+                n = min(len(local), len(theirs))
+                local, theirs = _first(local, n), _first(theirs, n)
+                geo = (geometries or {}).get(group, Geometry.whole_items())
+                if geo.is_whole_items and local.item_lens != theirs.item_lens:
+                    raise TransferError(
+                        f"{group} item sizes differ: local {local.item_lens[:4]}..., "
+                        f"peer {theirs.item_lens[:4]}..."
+                    )
+                rows = geo.strided(theirs, "dst")
+                remote_side = _Side(
+                    self.agent.prep(name, rows, theirs.mem_kind),
+                    region_offsets(geo.unit_counts(theirs)),
+                )
+                unit = (
+                    sum(local.item_lens)
+                    if geo.is_whole_items
+                    else n * geo.unit_len * geo.units_per_item
+                )
+                link.groups[group] = GroupLink(
+                    geometry=geo,
+                    local=self._local_side(group, geo) if n == len(local_groups[group])
+                    else self._prep_local_prefix(group, local, geo),
+                    remote=remote_side,
+                    unit_bytes=unit,
+                    num_regions=n,
+                    remote_items=int(theirs.num_items.min()),
+                    local_items=int(local.num_items.min()),
+                )
+        except Exception:
+            self.unlink(link)
+            raise
+        return link
+
+    def _prep_local_prefix(self, group: str, regions: RegionSet, geo: Geometry) -> _Side:
+        # Only when a peer has fewer regions of a group than we do (aux lists differ).
+        dlist = self.agent.prep(None, geo.strided(regions, "src"), regions.mem_kind)
+        return _Side(dlist, region_offsets(geo.unit_counts(regions)))
+
+    def unlink(self, link: PeerLink) -> None:
+        """Release the peer's prepared lists and forget its agent."""
+        local_shared = {id(s.dlist) for s in self._local_lists.values()}
+        for g in link.groups.values():
+            self.agent.release_dlist(g.remote.dlist)
+            if id(g.local.dlist) not in local_shared:
+                self.agent.release_dlist(g.local.dlist)
+        link.groups.clear()
+        self.agent.remove_peer(link.name)
+
+    def write(
+        self,
+        link: PeerLink,
+        group: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        notif: bytes = b"",
+    ) -> Xfer | None:
+        """Post one WRITE of items ``src`` (local) into items ``dst`` (peer); None if empty."""
+        g = link.groups.get(group)
+        if g is None or len(src) == 0:
+            return None
+        if len(src) != len(dst):
+            raise TransferError(f"{group}: {len(src)} source items for {len(dst)} destinations")
+        upp = g.geometry.units_per_item
+        lidx = unit_indices(src, g.local.offsets[: g.num_regions], upp)
+        ridx = unit_indices(dst, g.remote.offsets[: g.num_regions], upp)
+        return self.agent.write(
+            g.local.dlist,
+            lidx,
+            g.remote.dlist,
+            ridx,
+            peer=link.name,
+            nbytes=g.unit_bytes * len(src),
+            descriptors=expected_descriptors(src, dst, g.num_regions, g.geometry),
+            notif=notif,
+        )
+
+    def poll(self, xfer: Xfer) -> str:
+        return self.agent.poll(xfer)
+
+    def release(self, xfer: Xfer) -> bool:
+        return self.agent.release(xfer)
+
+    def close(self) -> None:
+        self._local_lists.clear()
+        self.agent.close()
+
+
+def _first(regions: RegionSet, n: int) -> RegionSet:
+    if n == len(regions):
+        return regions
+    return RegionSet(
+        regions.ptrs[:n], regions.lens[:n], regions.item_lens[:n], regions.devices[:n],
+        regions.mem_kind,
+    )

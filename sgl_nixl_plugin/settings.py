@@ -1,0 +1,79 @@
+"""Runtime settings, read from the environment once per process.
+
+NIXL agent settings (SGLang's ``SGLANG_DISAGGREGATION_NIXL_BACKEND`` and ``..._PARAMS``)
+are read by ``registry.manager.default_agent_config`` so that deployer hooks see them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+TRANSFER_PATHS = ("auto", "direct", "staging")
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw else default
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not an integer") from exc
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        return float(raw) if raw else default
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a number") from exc
+
+
+def read_secret() -> bytes | None:
+    """The shared secret from ``SGL_NIXL_PLUGIN_SECRET`` or ``SGL_NIXL_PLUGIN_SECRET_FILE``."""
+    raw = os.environ.get("SGL_NIXL_PLUGIN_SECRET", "")
+    path = os.environ.get("SGL_NIXL_PLUGIN_SECRET_FILE", "")
+    if path:
+        try:
+            raw = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"SGL_NIXL_PLUGIN_SECRET_FILE={path!r} is unreadable: {exc}") from exc
+    return raw.encode() if raw else None
+
+
+@dataclass(frozen=True)
+class Settings:
+    secret: bytes | None = None
+    workers: int = 2
+    transfer_path: str = "auto"
+    staging_bytes: int = 256 << 20
+    staging_piece_bytes: int = 16 << 20
+    kv_mem_kind: str = ""  # "" = what SGLang says, else DRAM/VRAM
+    liveness_interval_s: float = 0.5
+    liveness_misses: int = 3
+    abort_drain_timeout_s: float = 5.0
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        path = os.environ.get("SGL_NIXL_PLUGIN_TRANSFER_PATH", "auto").lower()
+        if path not in TRANSFER_PATHS:
+            raise ValueError(
+                f"SGL_NIXL_PLUGIN_TRANSFER_PATH={path!r}: expected one of {TRANSFER_PATHS}"
+            )
+        kind = os.environ.get("SGL_NIXL_PLUGIN_KV_MEM_KIND", "").upper()
+        if kind not in ("", "DRAM", "VRAM"):
+            raise ValueError(f"SGL_NIXL_PLUGIN_KV_MEM_KIND={kind!r}: expected DRAM or VRAM")
+        return cls(
+            secret=read_secret(),
+            workers=max(1, _int("SGL_NIXL_PLUGIN_WORKERS", 2)),
+            transfer_path=path,
+            staging_bytes=_int("SGL_NIXL_PLUGIN_STAGING_BYTES", 256 << 20),
+            staging_piece_bytes=_int("SGL_NIXL_PLUGIN_STAGING_PIECE_BYTES", 16 << 20),
+            kv_mem_kind=kind,
+            liveness_interval_s=_float("SGL_NIXL_PLUGIN_LIVENESS_INTERVAL", 0.5),
+            liveness_misses=max(1, _int("SGL_NIXL_PLUGIN_LIVENESS_MISSES", 3)),
+            abort_drain_timeout_s=_float("SGL_NIXL_PLUGIN_ABORT_DRAIN_TIMEOUT", 5.0),
+        )

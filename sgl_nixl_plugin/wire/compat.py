@@ -1,0 +1,32 @@
+"""Compatibility hash checked on first contact, and the message a mismatch produces."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from sgl_nixl_plugin.wire.messages import Compat
+
+
+def compat_hash(compat: Compat) -> str:
+    """Stable digest of everything both sides must agree on (field order is fixed)."""
+    return hashlib.sha256(msgspec.json.encode(compat)).hexdigest()[:32]
+
+
+def describe_mismatch(local: Compat, remote: Compat, local_role: str = "prefill") -> str:
+    """Human text naming each differing field with both sides' values ('' if none)."""
+    remote_role = "decode" if local_role == "prefill" else "prefill"
+    diffs = [
+        f"{name}: {local_role}={getattr(local, name)!r} {remote_role}={getattr(remote, name)!r}"
+        for name in local.__struct_fields__
+        if getattr(local, name) != getattr(remote, name)
+    ]
+    if not diffs:
+        return ""
+    return (
+        "incompatible KV layouts between prefill and decode ("
+        + "; ".join(diffs)
+        + "): start both servers with the same model, --page-size and --kv-cache-dtype, "
+        "and the same sgl-nixl-plugin release"
+    )

@@ -1,0 +1,171 @@
+"""Control messages between the decode and prefill sides (the schema is the types).
+
+Every message is a msgspec Struct in one tagged union, so a single decoder reads any of
+them and rejects anything else. Page-index arrays never live in these structs: they travel
+as separate ZMQ frames (see ``codec``), described here only by their ``IndexSpec``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+#: Bumped on any incompatible change to these structs or to the framing in ``codec``.
+PROTOCOL_VERSION = 1
+
+# Upper bounds that keep a hostile peer from making us allocate or loop without limit.
+MAX_REGIONS = 16384
+MAX_NAME = 256
+MAX_REASON = 4096
+MAX_METADATA = 64 << 20
+MAX_INDEX_FRAMES = 64
+
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Room = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON)]
+
+
+class Region(msgspec.Struct, frozen=True, array_like=True):
+    """One registered buffer: ``length`` bytes at ``ptr``, addressed in ``item_len`` items."""
+
+    ptr: NonNeg
+    length: NonNeg
+    item_len: Annotated[int, msgspec.Meta(gt=0)]
+    device: NonNeg = 0
+    mem_kind: Annotated[str, msgspec.Meta(pattern="^(DRAM|VRAM)$")] = "VRAM"
+
+    @property
+    def num_items(self) -> int:
+        return self.length // self.item_len
+
+
+class Compat(msgspec.Struct, frozen=True):
+    """What both sides must agree on; hashed, and named field by field on a mismatch."""
+
+    protocol_version: int
+    kv_dtype: Name
+    page_size: Annotated[int, msgspec.Meta(gt=0)]
+    num_layers: NonNeg
+    total_kv_heads: NonNeg
+    head_bytes: NonNeg  # bytes of one head of one token (head_dim * dtype size); 0 for MLA
+    is_mla: bool
+
+
+class StagingArea(msgspec.Struct, frozen=True):
+    """A peer's registered staging buffer, written in slots by the staging path."""
+
+    region: Region
+    slot_bytes: Annotated[int, msgspec.Meta(gt=0)]
+
+
+class PeerRegistration(msgspec.Struct, frozen=True, tag="reg"):
+    """Decode rank -> prefill rank, once per peer pair: who we are and where our memory is."""
+
+    compat: Compat
+    compat_hash: Name
+    agent_name: Name
+    agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_METADATA)]
+    ip: Name
+    port: Port
+    tp_rank: NonNeg
+    tp_size: Annotated[int, msgspec.Meta(gt=0)]
+    kv_heads: NonNeg  # KV heads held by this rank
+    kv: Annotated[list[Region], msgspec.Meta(max_length=MAX_REGIONS)]
+    aux: Annotated[list[Region], msgspec.Meta(max_length=MAX_REGIONS)]
+    state: Annotated[list[list[Region]], msgspec.Meta(max_length=MAX_REGIONS)] = []
+    staging: StagingArea | None = None
+
+
+class RegistrationReply(msgspec.Struct, frozen=True, tag="reg_reply"):
+    """Prefill rank -> decode rank: accepted, or refused with a reason naming both sides."""
+
+    agent_name: Name
+    prefill_rank: NonNeg
+    accepted: bool
+    reason: Reason = ""
+    ip: Name = ""  # the prefill rank's control address, so the decode knows who refused
+    port: Port = 0
+
+
+class IndexSpec(msgspec.Struct, frozen=True, array_like=True):
+    """Describes one index frame that follows the header: its role and element count."""
+
+    role: Annotated[str, msgspec.Meta(pattern="^(kv|state)$")]
+    count: NonNeg
+
+
+class TransferRequest(msgspec.Struct, frozen=True, tag="xfer"):
+    """Decode rank -> prefill rank, per request: where this room's pages go.
+
+    Destination page indices come in the ``kv`` index frame; state indices (one frame per
+    state component, in order) in ``state`` frames.
+    """
+
+    room: Room
+    agent_name: Name
+    ip: Name
+    port: Port
+    aux_index: Annotated[int, msgspec.Meta(ge=-1)]
+    required_dst_info_num: Annotated[int, msgspec.Meta(gt=0, le=4096)]
+    decode_prefix_len: NonNeg = 0
+    is_dummy: bool = False
+    indices: Annotated[list[IndexSpec], msgspec.Meta(max_length=MAX_INDEX_FRAMES)] = []
+
+
+class TransferStatus(msgspec.Struct, frozen=True, tag="status"):
+    """Prefill rank -> decode rank: a room's terminal (or readiness) status."""
+
+    room: Room
+    status: Annotated[int, msgspec.Meta(ge=0, le=4)]
+    prefill_rank: NonNeg
+    reason: Reason = ""
+
+
+class Abort(msgspec.Struct, frozen=True, tag="abort"):
+    """Decode rank -> prefill rank: stop writing into this room's pages."""
+
+    room: Room
+    ip: Name = ""
+    port: Port = 0
+    generation: int | None = None
+
+
+class AbortAck(msgspec.Struct, frozen=True, tag="abort_ack"):
+    """Prefill rank -> decode rank: nothing more will be written for this room."""
+
+    room: Room
+    prefill_rank: NonNeg
+    generation: int | None = None
+
+
+class Ping(msgspec.Struct, frozen=True, tag="ping"):
+    """Liveness probe; the peer answers with a Pong to ``ip:port``."""
+
+    sender: Name
+    ip: Name
+    port: Port
+    seq: NonNeg
+
+
+class Pong(msgspec.Struct, frozen=True, tag="pong"):
+    """Answer to a Ping, naming the answering side's own control address."""
+
+    sender: Name
+    seq: NonNeg
+    ip: Name = ""
+    port: Port = 0
+
+
+Message = (
+    PeerRegistration
+    | RegistrationReply
+    | TransferRequest
+    | TransferStatus
+    | Abort
+    | AbortAck
+    | Ping
+    | Pong
+)

@@ -1,0 +1,76 @@
+"""Run Python in a fresh, hermetic subprocess (every call has a timeout)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 120
+
+#: Variables that change the plugin's or SGLang's plugin behaviour: scrubbed so a developer's
+#: shell cannot change test outcomes; tests set what they need explicitly.
+_SCRUBBED = (
+    "SGLANG_PLUGINS",
+    "SGLANG_PLATFORM",
+    "SGL_NIXL_PLUGIN_STRICT",
+    "SGL_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE",
+    "SGLANG_DISAGGREGATION_NIXL_BACKEND",
+    "SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS",
+)
+
+
+def clean_env(
+    overrides: Mapping[str, str | None] | None = None,
+    extra_pythonpath: Sequence[str | os.PathLike[str]] = (),
+) -> dict[str, str]:
+    """``os.environ`` minus plugin-affecting variables, plus ``overrides`` (None deletes)."""
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
+    env["PYTHONWARNINGS"] = "ignore"
+    env.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+    for key, value in (overrides or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    if extra_pythonpath:
+        parts = [str(p) for p in extra_pythonpath]
+        if env.get("PYTHONPATH"):
+            parts.append(env["PYTHONPATH"])
+        env["PYTHONPATH"] = os.pathsep.join(parts)
+    return env
+
+
+def run(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    timeout: float = TIMEOUT_S,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` (captured text output) from a neutral directory with a timeout."""
+    return subprocess.run(
+        list(argv),
+        env=dict(env) if env is not None else clean_env(),
+        cwd=str(REPO_ROOT),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def python_argv(*args: str) -> list[str]:
+    """``[sys.executable, *args]``: the interpreter running the tests."""
+    return [sys.executable, *args]
+
+
+def console_script(name: str) -> str:
+    """Path of an installed console script next to the test interpreter."""
+    candidate = Path(sys.executable).parent / name
+    if not candidate.exists():
+        raise FileNotFoundError(
+            f"{candidate} not found: install the package (pip install -e .) first"
+        )
+    return str(candidate)
