@@ -48,6 +48,7 @@ def read_secret() -> bytes | None:
 class Settings:
     secret: bytes | None = None
     workers: int = 2
+    nixl_threads: int = 8
     transfer_path: str = "auto"
     staging_bytes: int = 256 << 20
     staging_piece_bytes: int = 16 << 20
@@ -69,6 +70,7 @@ class Settings:
         return cls(
             secret=read_secret(),
             workers=max(1, _int("SGL_NIXL_PLUGIN_WORKERS", 2)),
+            nixl_threads=max(0, _int("SGL_NIXL_PLUGIN_NIXL_THREADS", 8)),
             transfer_path=path,
             staging_bytes=_int("SGL_NIXL_PLUGIN_STAGING_BYTES", 256 << 20),
             staging_piece_bytes=_int("SGL_NIXL_PLUGIN_STAGING_PIECE_BYTES", 16 << 20),

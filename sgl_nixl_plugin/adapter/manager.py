@@ -69,6 +69,8 @@ class NixlPluginKVManager(CommonKVManager):
 
             torch.cuda.set_device(int(getattr(args, "gpu_id", 0) or 0))
         config = registry.resolve_agent_config()
+        if config.num_threads == 0 and disaggregation_mode == DisaggregationMode.PREFILL:
+            config.num_threads = self.settings.nixl_threads  # the initiator drives the WRITEs
         self.engine = TransferEngine(config, memory)
         self._engine_lock = threading.Lock()
         self.compat = compat_of(args, bool(is_mla_backend), self.attn_tp_size)

@@ -26,6 +26,8 @@ from sgl_nixl_plugin.bench.workload import (
     pattern,
     state_pattern,
 )
+from sgl_nixl_plugin.registry import hookimpl
+from sgl_nixl_plugin.registry import manager as registry
 
 logger = logging.getLogger("sgl_nixl_plugin.bench")
 
@@ -116,7 +118,8 @@ class Pools:
             self._st = torch.zeros(self.aux_rows * STATE_ITEM_BYTES, dtype=torch.uint8, device=f"cuda:{spec.gpu_id}")
             self.state_ptr = self._st.data_ptr()
         else:
-            self.kv = [np.zeros(nbytes, dtype=np.uint8) for _ in range(w.shape.regions())]
+            # np.full touches every page now, so page faults don't land inside transfers
+            self.kv = [np.full(nbytes, 0, dtype=np.uint8) for _ in range(w.shape.regions())]
             self.kv_ptrs = [a.ctypes.data for a in self.kv]
             self.state = np.zeros(self.aux_rows * STATE_ITEM_BYTES, dtype=np.uint8)
             self.state_ptr = self.state.ctypes.data
@@ -249,6 +252,7 @@ class _Collector:
     def __init__(self) -> None:
         self.events: dict[int, Any] = {}
 
+    @hookimpl
     def sgl_nixl_transfer_done(self, event: Any) -> None:
         self.events[event.room] = event
 
@@ -263,12 +267,7 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
     if spec.serve_bootstrap:
         server = cls["bootstrap_server"](host="127.0.0.1", port=spec.bootstrap_port)
     collector = _Collector()
-    try:
-        from sgl_nixl_plugin.registry import manager as registry
-
-        registry.get_plugin_manager().register(collector)
-    except Exception:
-        pass
+    registry.get_plugin_manager().register(collector)
     is_mla = spec.workload.shape.mla
     mgr = cls["manager"](pools.kv_args(cls["kvargs"], spec), DisaggregationMode.PREFILL, env["server_args"], is_mla)
     w = spec.workload
@@ -286,7 +285,8 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
                 break
             pending.pop(0)
             slot = slots.pop()
-            pools.fill(r.room, pages)
+            if spec.verify:
+                pools.fill(r.room, pages)
             for b, buf in enumerate(pools.aux):
                 n = AUX_ITEM_BYTES[b]
                 buf[slot * n : (slot + 1) * n] = aux_pattern(r.room, b, n)
@@ -347,7 +347,7 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
     return {"results": results, "timed_out": timed_out, "tables": tables}
 
 
-def run_decode(spec: RankSpec, env: dict[str, Any]) -> dict[str, Any]:
+def run_decode(spec: RankSpec, env: dict[str, Any], progress: Any = None) -> dict[str, Any]:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
@@ -385,7 +385,10 @@ def run_decode(spec: RankSpec, env: dict[str, Any]) -> dict[str, Any]:
             state = [np.array([slot], dtype=np.int32)] if r.with_state else None
             t0 = time.perf_counter()
             receiver.send_metadata(pages, slot, state)
-            active[r.room] = {"req": r, "receiver": receiver, "pages": pages, "slot": slot, "t0": t0}
+            active[r.room] = {
+                "req": r, "receiver": receiver, "pages": pages, "slot": slot, "t0": t0,
+                "wall0": time.time(),
+            }
         for room, ctx in list(active.items()):
             receiver, r = ctx["receiver"], ctx["req"]
             status = receiver.poll()
@@ -395,7 +398,10 @@ def run_decode(spec: RankSpec, env: dict[str, Any]) -> dict[str, Any]:
             if status not in (KVPoll.Success, KVPoll.Failed):
                 continue
             latency = time.perf_counter() - ctx["t0"]
-            res: dict[str, Any] = {"ok": status == KVPoll.Success, "latency_s": latency, "reason": None}
+            res: dict[str, Any] = {
+                "ok": status == KVPoll.Success, "latency_s": latency, "reason": None,
+                "wall0": ctx["wall0"], "wall1": time.time(),
+            }
             if status == KVPoll.Failed:
                 try:
                     receiver.failure_exception()
@@ -416,6 +422,8 @@ def run_decode(spec: RankSpec, env: dict[str, Any]) -> dict[str, Any]:
                         got = row.cpu().numpy() if spec.mem_kind == "VRAM" else row
                         res["bad_state"] = int(not np.array_equal(got, state_pattern(room, STATE_ITEM_BYTES)))
             results[room] = res
+            if progress is not None:
+                progress(len(results))
             pool.release(ctx["pages"])
             slots.append(ctx["slot"])
             del active[room]
@@ -444,7 +452,7 @@ def rank_main(spec: RankSpec, out: Any, done: Any) -> None:
         if spec.role == "prefill":
             result = run_prefill(spec, env, done)
         elif spec.role == "decode":
-            result = run_decode(spec, env)
+            result = run_decode(spec, env, lambda n: out.put((*key, {"progress": n})))
         else:
             result = run_bootstrap(spec, env, done)
         out.put((*key, result))

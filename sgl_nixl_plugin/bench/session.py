@@ -136,12 +136,14 @@ class Session:
         p.kill()
         p.join(timeout=10)
 
-    def wait(self) -> SessionResult:
+    def wait(self, progress: Any = None) -> SessionResult:
+        """Collect every rank's result; ``progress(done_requests)`` is called as decodes report."""
         expected = {k for k, p in self.procs.items() if k[0] != "bootstrap"}
         got: dict[tuple[str, int, int], dict[str, Any]] = {}
         errors: list[str] = []
         deadline = self.started + self.cfg.timeout_s + 60
         decodes = {k for k in expected if k[0] == "decode"}
+        counts: dict[tuple[str, int, int], int] = {}
         try:
             while True:
                 dead = self._dead()
@@ -156,6 +158,11 @@ class Session:
                     if time.monotonic() > deadline:
                         errors.append(f"session timed out; missing {sorted(missing)}")
                         break
+                    continue
+                if "progress" in res:
+                    counts[(role, inst, rank)] = res["progress"]
+                    if progress is not None:
+                        progress(sum(counts.values()) // max(1, self.cfg.decode_tp))
                     continue
                 got[(role, inst, rank)] = res
                 if "error" in res:
@@ -190,8 +197,8 @@ class Session:
                 p.join(timeout=5)
 
 
-def run_session(cfg: SessionConfig) -> SessionResult:
-    return Session(cfg).start().wait()
+def run_session(cfg: SessionConfig, progress: Any = None) -> SessionResult:
+    return Session(cfg).start().wait(progress)
 
 
 def with_backend(cfg: SessionConfig, backend: str) -> SessionConfig:

@@ -102,7 +102,9 @@ def check_sglang(ctx: DoctorContext) -> list[CheckResult]:
     problems = compat.check_version()
     if problems:
         ctx.facts["sglang_ok"] = False
-        return [CheckResult("SGLang", "fail", f"{label}: {problems[0]}", _fix_unless_said(problems))]
+        return [
+            CheckResult("SGLang", "fail", f"{label}: {problems[0]}", _fix_unless_said(problems))
+        ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # SGLang's CPU-only import warnings are noise here
         problems = compat.check_signatures()
@@ -278,9 +280,7 @@ def check_nixl(ctx: DoctorContext) -> list[CheckResult]:
         config = manager.resolve_agent_config()
     except ValueError as exc:
         return [
-            CheckResult(
-                "NIXL agent config", "fail", str(exc), f"fix {manager.BACKEND_PARAMS_ENV}"
-            )
+            CheckResult("NIXL agent config", "fail", str(exc), f"fix {manager.BACKEND_PARAMS_ENV}")
         ]
     ctx.facts["agent_config"] = asdict(config)
 
@@ -441,9 +441,7 @@ def run_checks(checks: list[Check] | None = None) -> DoctorReport:
             results.extend(check(ctx))
         except Exception as exc:
             results.append(
-                CheckResult(
-                    check.__name__, "warn", f"check crashed: {type(exc).__name__}: {exc}"
-                )
+                CheckResult(check.__name__, "warn", f"check crashed: {type(exc).__name__}: {exc}")
             )
     return DoctorReport(results=results, facts=ctx.facts)
 

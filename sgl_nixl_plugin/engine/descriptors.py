@@ -31,9 +31,10 @@ def unit_indices(
     else:
         units = items
     base = offsets if regions is None else offsets[regions]
-    idx = base[:, None] + units[None, :]
-    if idx.size and idx[-1, -1] > np.iinfo(np.int32).max:
+    # The largest index is max(base) + max(units): items and regions need not be sorted.
+    if len(base) and len(units) and int(base.max()) + int(units.max()) > np.iinfo(np.int32).max:
         raise OverflowError("descriptor index beyond int32: region set too large for one list")
+    idx = base[:, None] + units[None, :]
     return idx.astype(np.int32, copy=False).ravel()
 
 

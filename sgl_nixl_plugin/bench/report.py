@@ -1,0 +1,75 @@
+"""Figures of a PD session (throughput, latency, descriptors, control-plane cost) and a table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from sgl_nixl_plugin.bench.session import SessionResult
+
+
+def summarize(result: SessionResult) -> dict[str, Any]:
+    rooms = result.decode_results()
+    ok = [r for r in rooms.values() if r["ok"]]
+    lat = np.array([r["latency_s"] for r in ok]) if ok else np.zeros(0)
+    total = int(sum(r.get("bytes", 0) for r in ok))
+    span = 0.0
+    if ok:
+        span = max(r["wall1"] for r in ok) - min(r["wall0"] for r in ok)
+    prefill = [r for res in result.prefill.values() for r in res.get("results", {}).values()]
+    desc = [r["descriptors"] for r in prefill if r.get("descriptors") is not None]
+    ctl = [r["control_us"] for r in prefill if r.get("control_us")]
+    paths = sorted({r["path"] for r in prefill if r.get("path")})
+    expected = result.config.workload.requests
+    bad = sum(r.get("bad_pages", 0) + r.get("bad_aux", 0) + r.get("bad_state", 0) for r in ok)
+    reasons = sorted({str(r.get("reason")) for r in rooms.values() if not r["ok"]})
+    return {
+        "backend": result.config.backend,
+        "requests": expected,
+        "ok": len(ok),
+        "failed": expected - len(ok),
+        "corrupt_pages": bad,
+        "bytes": total,
+        "gbps": total / span / 1e9 if span > 0 else 0.0,
+        "per_request_gbps_p50": float(np.median([r["bytes"] / r["latency_s"] / 1e9 for r in ok])) if ok else 0.0,
+        "latency_p50_ms": float(np.percentile(lat, 50) * 1e3) if len(lat) else 0.0,
+        "latency_p99_ms": float(np.percentile(lat, 99) * 1e3) if len(lat) else 0.0,
+        "descriptors_per_request": float(np.mean(desc)) if desc else None,
+        "control_us_per_request": float(np.median(ctl)) if ctl else None,
+        "path": ",".join(paths) or "-",
+        "wall_s": result.wall_s,
+        "errors": [e.splitlines()[-1] if e else e for e in result.errors],
+        "failure_reasons": reasons[:5],
+    }
+
+
+ROWS = [
+    ("requests ok / failed", lambda s: f"{s['ok']} / {s['failed']}"),
+    ("corrupted pages", lambda s: f"{s['corrupt_pages']}"),
+    ("bytes moved", lambda s: f"{s['bytes'] / 2**30:.2f} GiB"),
+    ("throughput (all requests)", lambda s: f"{s['gbps']:.2f} GB/s"),
+    ("per-request GB/s (p50)", lambda s: f"{s['per_request_gbps_p50']:.2f} GB/s"),
+    ("transfer latency p50 / p99", lambda s: f"{s['latency_p50_ms']:.1f} / {s['latency_p99_ms']:.1f} ms"),
+    ("descriptors per request", lambda s: "-" if s["descriptors_per_request"] is None else f"{s['descriptors_per_request']:.0f}"),
+    ("control plane per request", lambda s: "-" if s["control_us_per_request"] is None else f"{s['control_us_per_request']:.0f} µs"),
+    ("transfer path", lambda s: s["path"]),
+]
+
+
+def table(summaries: list[dict[str, Any]]) -> str:
+    """A plain aligned table, one column per backend, plus a ratio column for two."""
+    head = ["", *(s["backend"] for s in summaries)]
+    body = [[name, *(fmt(s) for s in summaries)] for name, fmt in ROWS]
+    if len(summaries) == 2 and summaries[1]["gbps"] > 0:
+        head.append("ratio")
+        for row in body:
+            row.append("")
+        body[3][-1] = f"{summaries[0]['gbps'] / summaries[1]['gbps']:.2f}x"
+        if summaries[1]["latency_p50_ms"] > 0:
+            body[5][-1] = f"{summaries[1]['latency_p50_ms'] / max(summaries[0]['latency_p50_ms'], 1e-9):.2f}x faster"
+    widths = [max(len(str(r[i])) for r in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(head, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in body]
+    return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""``sgl-nixl-plugin bench``: a PD session through SGLang's classes, with figures.
+
+With no flags it runs the embedded default: one prefill and one decode process on this
+machine, DRAM pools of a Llama-3.1-8B-shaped KV cache, random page allocation, every byte
+verified. ``--role`` runs a single side so prefill and decode can sit on two hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+from dataclasses import replace
+from typing import Any
+
+from sgl_nixl_plugin.bench.workload import PRESETS, ModelShape, Workload
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sgl-nixl-plugin bench",
+        description="Run a prefill/decode KV-transfer session and print throughput and latency.",
+    )
+    m = p.add_argument_group("model shape")
+    m.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.1-8b")
+    m.add_argument("--layers", type=int, help="override the preset's layer count")
+    m.add_argument("--kv-heads", type=int, help="override the preset's total KV heads")
+    m.add_argument("--head-dim", type=int, help="override the preset's head dim")
+    m.add_argument("--dtype", choices=["bfloat16", "float16", "float32", "fp8_e4m3"])
+    m.add_argument("--mla", action="store_true", default=None, help="MLA layout (one latent head)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--page-size", type=int, default=16)
+    w.add_argument("--requests", type=int, default=48)
+    w.add_argument("--min-tokens", type=int, default=256)
+    w.add_argument("--max-tokens", type=int, default=1024)
+    w.add_argument("--concurrency", type=int, default=8)
+    w.add_argument("--chunks", type=int, default=1, help="chunked-prefill sends per request")
+    w.add_argument("--fragmentation", choices=["random", "contiguous", "mixed"], default="random")
+    w.add_argument("--no-state", action="store_true", help="do not transfer a state row")
+    w.add_argument("--seed", type=int, default=1234)
+    d = p.add_argument_group("deployment")
+    d.add_argument("--prefill-tp", type=int, default=1)
+    d.add_argument("--decode-tp", type=int, default=1)
+    d.add_argument("--mem", choices=["DRAM", "VRAM"], default="DRAM")
+    d.add_argument("--prefill-gpu", type=int, default=0)
+    d.add_argument("--decode-gpu", type=int, default=0)
+    d.add_argument("--compare", choices=["in-tree"], help="also run SGLang's in-tree nixl backend")
+    d.add_argument("--timeout", type=float, default=600.0, help="session deadline in seconds")
+    d.add_argument("--no-verify", action="store_true", help="skip the byte-by-byte check")
+    d.add_argument("--role", choices=["prefill", "decode", "bootstrap"], help="run one side only")
+    d.add_argument("--bootstrap", metavar="HOST:PORT", help="bootstrap server (with --role)")
+    d.add_argument("--tp-rank", type=int, default=0, help="this process's TP rank (with --role)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print figures as JSON")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def workload_of(args: argparse.Namespace) -> Workload:
+    shape = PRESETS[args.preset]
+    overrides = {
+        k: v for k, v in {
+            "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+            "dtype": args.dtype, "mla": args.mla,
+        }.items() if v is not None
+    }
+    if overrides:
+        shape = replace(shape, name="custom", **overrides)
+    return Workload(
+        shape=shape,
+        page_size=args.page_size,
+        requests=args.requests,
+        min_tokens=args.min_tokens,
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        chunks=(args.chunks,),
+        fragmentation=args.fragmentation,
+        state=not args.no_state,
+        seed=args.seed,
+    )
+
+
+def _run(cfg: Any, quiet: bool) -> Any:
+    from sgl_nixl_plugin.bench.session import Session
+
+    session = Session(cfg).start()
+    if quiet:
+        return session.wait()
+    from tqdm import tqdm
+
+    with tqdm(total=cfg.workload.requests, desc=f"{cfg.backend:>7}", unit="req", file=sys.stderr) as bar:
+        return session.wait(lambda n: bar.update(max(0, n - bar.n)))
+
+
+def _single_role(args: argparse.Namespace, workload: Workload) -> int:
+    from sgl_nixl_plugin.bench.rank import RankSpec, rank_main
+
+    if not args.bootstrap:
+        print("--role needs --bootstrap HOST:PORT", file=sys.stderr)
+        return 2
+    host, _, port = args.bootstrap.rpartition(":")
+    tp = args.prefill_tp if args.role != "decode" else args.decode_tp
+    spec = RankSpec(
+        role=args.role, instance=0, tp_size=tp, tp_rank=args.tp_rank, workload=workload,
+        bootstrap_port=int(port), prefill_addrs=[args.bootstrap],
+        serve_bootstrap=False, mem_kind=args.mem,
+        gpu_id=args.prefill_gpu if args.role == "prefill" else args.decode_gpu,
+        deadline_s=args.timeout, verify=not args.no_verify,
+    )
+    ctx = mp.get_context("spawn")
+    out, done = ctx.Queue(), ctx.Event()
+    if args.role != "prefill":
+        done.set()
+    rank_main(spec, out, done)
+    while True:
+        role, _, _, result = out.get()
+        if "progress" not in result:
+            break
+    if "error" in result:
+        print(result["error"], file=sys.stderr)
+        return 1
+    results = result["results"]
+    ok = sum(1 for r in results.values() if r["ok"])
+    bad = sum(r.get("bad_pages", 0) for r in results.values())
+    print(json.dumps({"role": role, "ok": ok, "failed": len(results) - ok,
+                      "timed_out": len(result["timed_out"]), "corrupt_pages": bad}))
+    return 0 if ok == len(results) and not result["timed_out"] and not bad else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from sgl_nixl_plugin.bench.report import summarize, table
+    from sgl_nixl_plugin.bench.session import SessionConfig
+
+    workload = workload_of(args)
+    if args.role:
+        return _single_role(args, workload)
+    if args.compare:
+        # SGLang's in-tree backend registers state buffers as VRAM: compare without state.
+        workload = replace(workload, state=False)
+    cfg = SessionConfig(
+        workload, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, mem_kind=args.mem,
+        prefill_gpu=args.prefill_gpu, decode_gpu=args.decode_gpu, timeout_s=args.timeout,
+        verify=not args.no_verify,
+    )
+    summaries = [summarize(_run(cfg, args.quiet))]
+    if args.compare:
+        summaries.append(summarize(_run(replace(cfg, backend=args.compare), args.quiet)))
+    shape: ModelShape = workload.shape
+    header = (
+        f"{shape.name}: {shape.layers} layers x {'latent' if shape.mla else f'{shape.kv_heads} KV heads'}"
+        f" x {shape.head_dim} ({shape.dtype}), page size {workload.page_size}, "
+        f"{workload.requests} requests of {workload.min_tokens}-{workload.max_tokens} tokens, "
+        f"concurrency {workload.concurrency}, {workload.fragmentation} pages, "
+        f"TP {args.prefill_tp}->{args.decode_tp}, {args.mem}"
+    )
+    if args.json:
+        print(json.dumps({"workload": header, "results": summaries}, indent=2))
+    else:
+        print(header)
+        print(table(summaries))
+        for s in summaries:
+            for e in s["errors"]:
+                print(f"[{s['backend']}] error: {e}")
+            for r in s["failure_reasons"]:
+                print(f"[{s['backend']}] failure: {r}")
+    ours = summaries[0]
+    return 0 if ours["failed"] == 0 and ours["corrupt_pages"] == 0 and not ours["errors"] else 1
