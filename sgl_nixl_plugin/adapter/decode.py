@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from sgl_nixl_plugin.adapter.liveness import Liveness
-from sgl_nixl_plugin.wire.messages import AbortAck, Ping, Pong, RegistrationReply, TransferStatus
+from sgl_nixl_plugin.wire.messages import (
+    AbortAck,
+    PieceReady,
+    Ping,
+    Pong,
+    RegistrationReply,
+    TransferStatus,
+)
 
 if TYPE_CHECKING:
     from sgl_nixl_plugin.adapter.manager import NixlPluginKVManager
@@ -60,12 +67,15 @@ class DecodeListener:
     def _dispatch(self, msg: Any) -> None:
         mgr = self.mgr
         if isinstance(msg, TransferStatus):
-            mgr.apply_prefill_status(
-                bootstrap_room=msg.room,
-                status=msg.status,
-                prefill_rank=msg.prefill_rank,
-                failure_reason=msg.reason or None,
-            )
+            if mgr.staging is not None and mgr.staging.is_staged(msg.room):
+                mgr.staging.submit(msg)  # after the room's pieces already queued for scatter
+            else:
+                mgr.apply_status(msg)
+        elif isinstance(msg, PieceReady):
+            if mgr.staging is None:
+                mgr.codec.rejections.reject("unexpected", "PieceReady without staging")
+            else:
+                mgr.staging.submit(msg)
         elif isinstance(msg, Pong):
             self.liveness.replied((msg.ip, msg.port))
         elif isinstance(msg, AbortAck):

@@ -21,9 +21,11 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import NetworkAddress
 
 from sgl_nixl_plugin.adapter.decode import DecodeListener
+from sgl_nixl_plugin.adapter.decode_staging import DecodeStaging
 from sgl_nixl_plugin.adapter.memory import compat_of, kv_mem_kind, memory_from_kv_args, to_regions
 from sgl_nixl_plugin.adapter.prefill import Chunk, PrefillControl, RoomProgress, TransferWorker
 from sgl_nixl_plugin.engine.engine import PeerLink, TransferEngine
+from sgl_nixl_plugin.engine.staging import StagingBuffer
 from sgl_nixl_plugin.registry import manager as registry
 from sgl_nixl_plugin.registry.spec import TransferEvent
 from sgl_nixl_plugin.settings import Settings
@@ -76,8 +78,16 @@ class NixlPluginKVManager(CommonKVManager):
         self.compat = compat_of(args, bool(is_mla_backend), self.attn_tp_size)
         self.compat_hash = compat_hash(self.compat)
         self._stopping = False
+        self.staging: Any = None
+        self.copier: Any = None
+        self.copy_stream: Any = None
+        device = int(getattr(args, "gpu_id", 0) or 0) if self.kv_mem_kind == "VRAM" else 0
+        staging_on = self.settings.transfer_path != "direct" and self.settings.staging_bytes > 0
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.room_seen: dict[int, float] = {}
+            self.remote_free: dict[int, dict[str, Any]] = {}
+            if staging_on:
+                self._start_prefill_staging(device)
             self.control = PrefillControl(self)
             self.workers = [TransferWorker(self, i) for i in range(self.settings.workers)]
             self.control.start()
@@ -86,6 +96,8 @@ class NixlPluginKVManager(CommonKVManager):
         else:
             self.room_endpoints: dict[int, set[Endpoint]] = defaultdict(set)
             self.refused_endpoints: dict[Endpoint, tuple[str, float]] = {}
+            if staging_on:
+                self._start_decode_staging(device)
             self.listener = DecodeListener(self)
             self.listener.start()
             self._start_heartbeat_checker_thread()
@@ -93,6 +105,39 @@ class NixlPluginKVManager(CommonKVManager):
             "sgl-nixl: %s manager ready (agent %s, %s KV, %d regions, control %s:%s)",
             disaggregation_mode.value, self.engine.name, self.kv_mem_kind,
             len(memory.kv), self.local_ip, self.rank_port,
+        )
+
+    def _start_prefill_staging(self, device: int) -> None:
+        try:
+            from sgl_nixl_plugin.engine.copy_kernels import make_copier
+
+            self.copier = make_copier(self.kv_mem_kind, device)
+            self.staging = StagingBuffer(
+                self.engine.agent, self.settings.staging_bytes,
+                self.settings.staging_piece_bytes, self.kv_mem_kind, device,
+            )
+            if self.kv_mem_kind == "VRAM":
+                import torch
+
+                self.copy_stream = torch.cuda.Stream(device=device)
+        except Exception as exc:
+            self.staging = None
+            logger.warning("sgl-nixl: staging path disabled (%s); scattered pages go direct", exc)
+
+    def _start_decode_staging(self, device: int) -> None:
+        try:
+            staging = DecodeStaging(self, device)
+            staging.start()
+            self.staging = staging
+        except Exception as exc:
+            logger.warning("sgl-nixl: staging path disabled (%s); scattered pages go direct", exc)
+
+    def apply_status(self, msg: TransferStatus) -> None:
+        self.apply_prefill_status(
+            bootstrap_room=msg.room,
+            status=msg.status,
+            prefill_rank=msg.prefill_rank,
+            failure_reason=msg.reason or None,
         )
 
     # -- sending control messages -------------------------------------------------------
@@ -165,6 +210,7 @@ class NixlPluginKVManager(CommonKVManager):
             kv=to_regions(mem.kv),
             aux=to_regions(mem.aux),
             state=[to_regions(s) for s in mem.state],
+            staging=self.staging.area() if self.staging is not None else None,
         )
         return self.codec.encode(reg)
 
@@ -185,6 +231,9 @@ class NixlPluginKVManager(CommonKVManager):
             np.empty(0, np.int32) if s is None else np.asarray(s).ravel()
             for s in (state_indices or [])
         ]
+        slots = []
+        if self.staging is not None and not is_dummy and len(kv):
+            slots = self.staging.grant(bootstrap_room, kv)
         req = TransferRequest(
             room=bootstrap_room,
             agent_name=self.engine.name,
@@ -195,6 +244,7 @@ class NixlPluginKVManager(CommonKVManager):
             decode_prefix_len=int(decode_prefix_len or 0),
             is_dummy=bool(is_dummy),
             indices=index_specs(kv, state),
+            staging_slots=slots,
         )
         return self.codec.encode(req, [kv, *state])
 
@@ -258,7 +308,7 @@ class NixlPluginKVManager(CommonKVManager):
                 bytes=prog.nbytes,
                 duration_s=time.perf_counter() - prog.started,
                 descriptors=prog.descriptors,
-                path="direct",
+                path=prog.path,
                 reason=reason,
             )
         )
@@ -311,6 +361,9 @@ class NixlPluginKVManager(CommonKVManager):
             self.listener.stop()
             self._heartbeat_shutdown.set()
             threads = [self.listener.thread]
+            if self.staging is not None:
+                self.staging.stop()
+                threads.append(self.staging.thread)
         for t in threads:
             t.join(timeout=5)
         self.engine.close()

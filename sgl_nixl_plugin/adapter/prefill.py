@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,12 +22,22 @@ import zmq
 
 from sgl_nixl_plugin.adapter.memory import kv_geometry, remote_memory
 from sgl_nixl_plugin.engine.agent import TransferError, Xfer
-from sgl_nixl_plugin.engine.descriptors import validate_items
+from sgl_nixl_plugin.engine.descriptors import expected_descriptors, validate_items
 from sgl_nixl_plugin.engine.engine import PeerLink
+from sgl_nixl_plugin.engine.staging import (
+    RemoteStaging,
+    StagedSend,
+    choose_path,
+    plan_pieces,
+    staging_unit_len,
+    unit_indices_of,
+)
 from sgl_nixl_plugin.wire.compat import describe_mismatch
 from sgl_nixl_plugin.wire.messages import (
     Abort,
     PeerRegistration,
+    PieceDone,
+    PieceReady,
     Ping,
     Pong,
     RegistrationReply,
@@ -52,6 +63,7 @@ class DecodePeer:
     reg: PeerRegistration
     endpoint: tuple[str, int]
     last_seen: float = field(default_factory=time.monotonic)
+    staging: RemoteStaging | None = None
 
 
 @dataclass
@@ -89,6 +101,31 @@ class RoomProgress:
     nbytes: int = 0
     descriptors: int = 0
     peers: set[str] = field(default_factory=set)
+    jobs: list[StagedJob] = field(default_factory=list)
+    path: str = "direct"
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.xfers) or any(not j.send.finished or j.send.in_flight for j in self.jobs)
+
+
+@dataclass
+class StagedJob:
+    """One chunk's staged transfer to one decode rank, and what the decode must be told."""
+
+    send: StagedSend
+    info: TransferInfo
+    peer: DecodePeer
+    page_start: int
+    page_count: int
+
+
+class SlotCredits(deque):
+    """Receiver staging slots this room may write now; ``granted`` bounds what credits accept."""
+
+    def __init__(self, slots: list[int]) -> None:
+        super().__init__(slots)
+        self.granted = frozenset(slots)
 
 
 class PrefillControl:
@@ -140,6 +177,12 @@ class PrefillControl:
             self.on_request(msg, kv, state)
         elif isinstance(msg, PeerRegistration):
             self.on_registration(msg)
+        elif isinstance(msg, PieceDone):
+            free = self.mgr.remote_free.get(msg.room, {}).get(msg.agent_name)
+            if free is None or msg.slot not in free.granted:
+                self.mgr.codec.rejections.reject("bad_credit", f"room {msg.room} slot {msg.slot}")
+            else:
+                free.append(msg.slot)
         elif isinstance(msg, Abort):
             self.on_abort(msg)
         elif isinstance(msg, Ping):
@@ -193,7 +236,11 @@ class PrefillControl:
             else:
                 previous = self.peers.pop(reg.agent_name, None)
                 old_link = previous.link if previous is not None else None
-                self.peers[reg.agent_name] = DecodePeer(reg.agent_name, link, reg, endpoint)
+                staging = None
+                if reg.staging is not None:
+                    r = reg.staging.region
+                    staging = RemoteStaging(r.ptr, reg.staging.slot_bytes, r.device, r.mem_kind)
+                self.peers[reg.agent_name] = DecodePeer(reg.agent_name, link, reg, endpoint, staging=staging)
                 self.refused.pop(reg.agent_name, None)
         if old_link is not None:
             mgr.engine_unlink(old_link)
@@ -267,6 +314,8 @@ class PrefillControl:
             is_dummy=req.is_dummy,
         )
         mgr.room_seen[room] = time.monotonic()
+        if req.staging_slots and not req.is_dummy:
+            mgr.remote_free.setdefault(room, {})[req.agent_name] = SlotCredits(req.staging_slots)
         if req.decode_prefix_len:
             mgr.req_to_decode_prefix_len[room] = req.decode_prefix_len
         if len(infos) >= req.required_dst_info_num:
@@ -310,7 +359,7 @@ class TransferWorker:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            busy = any(p.xfers for p in self.rooms.values())
+            busy = any(p.busy for p in self.rooms.values())
             try:
                 chunk = self.queue.get(timeout=self._backoff if busy else self.IDLE_WAIT_S)
             except queue.Empty:
@@ -366,7 +415,13 @@ class TransferWorker:
                 f"{chunk.index_slice.stop}): page counts disagree"
             )
         engine, link = mgr.engine, peer.link
-        xfers = [engine.write(link, "kv", chunk.pages, dst)]
+        xfers = []
+        job = self._staged(prog, chunk, info, peer, dst)
+        if job is not None:
+            prog.jobs.append(job)
+            prog.path = "staging"
+        else:
+            xfers.append(engine.write(link, "kv", chunk.pages, dst))
         if chunk.is_last:
             if chunk.aux_index is not None and info.aux_index >= 0:
                 xfers.append(
@@ -390,13 +445,91 @@ class TransferWorker:
             prog.descriptors += x.descriptors
             mgr._staging_outstanding[chunk.room] += 1
 
+    def _staged(
+        self, prog: RoomProgress, chunk: Chunk, info: TransferInfo, peer: DecodePeer, dst: np.ndarray
+    ) -> StagedJob | None:
+        """A staged job for this chunk if the rule in ``choose_path`` prefers it, else None."""
+        mgr = self.mgr
+        g = peer.link.groups.get("kv")
+        credits = mgr.remote_free.get(chunk.room, {}).get(info.agent)
+        staging = mgr.staging
+        unit_len = staging_unit_len(mgr.engine.memory.kv, g.geometry) if g else None
+        possible = bool(
+            g and staging is not None and peer.staging is not None and credits is not None
+            and unit_len and len(chunk.pages)
+        )
+        n = len(chunk.pages)
+        path = choose_path(
+            mode=mgr.settings.transfer_path,
+            descriptors=0 if not g else expected_descriptors(chunk.pages, dst, g.num_regions, g.geometry),
+            nbytes=0 if not g else g.unit_bytes * n,
+            mem_kind=mgr.kv_mem_kind,
+            slot_bytes=staging.slot_bytes if staging is not None else 1,
+            staging_possible=possible,
+        )
+        if path != "staging":
+            return None
+        geo = g.geometry
+        units = unit_indices_of(chunk.pages, geo)
+        send = StagedSend(
+            agent=mgr.engine.agent,
+            copier=mgr.copier,
+            local=staging,
+            remote=peer.staging,
+            peer=peer.link.name,
+            src_bases=np.asarray(mgr.engine.memory.kv.ptrs, dtype=np.uint64)[: g.num_regions],
+            units=units,
+            geometry=geo,
+            pieces=plan_pieces(g.num_regions, len(units), unit_len, min(staging.slot_bytes, peer.staging.slot_bytes)),
+            remote_free=credits,
+            stream=mgr.copy_stream,
+        )
+        return StagedJob(send, info, peer, chunk.index_slice.start, n)
+
+    def _step_jobs(self, room: int, prog: RoomProgress) -> int:
+        """Advance the room's staged jobs; tell decodes about landed pieces."""
+        mgr, settled = self.mgr, 0
+        if not prog.failed and mgr.request_status.get(room) in (None, FAILED):
+            prog.failed = True  # aborted or cleared: stop sending, let WRITEs drain
+        if prog.failed:
+            for job in prog.jobs:
+                job.send.abandon("room ended")
+        for job in prog.jobs:
+            if job.send.finished and not job.send.in_flight:
+                continue
+            for piece, slot in job.send.step():
+                settled += 1
+                geo = job.send.geometry
+                mgr.send_to(
+                    job.peer.endpoint,
+                    PieceReady(
+                        room=room, prefill_rank=mgr.prefill_rank_id, ip=mgr.local_ip,
+                        port=mgr.rank_port, slot=slot, r0=piece.r0, r1=piece.r1,
+                        j0=piece.j0, j1=piece.j1, page_start=job.page_start,
+                        page_count=job.page_count, unit_len=piece.unit_len,
+                        units_per_item=geo.units_per_item,
+                        dst_stride=geo.dst_stride or piece.unit_len, dst_offset=geo.dst_offset,
+                    ),
+                )
+            if job.send.error and not prog.failed:
+                job.send.abandon()
+                self._fail(room, f"staged transfer to {job.info.agent} failed: {job.send.error}", finish=False)
+        if prog.jobs and not any(j.send.in_flight or not j.send.finished for j in prog.jobs):
+            prog.nbytes += sum(j.send.nbytes for j in prog.jobs)
+            prog.descriptors += sum(j.send.done_pieces for j in prog.jobs)
+            prog.jobs = []
+        return settled
+
     # -- completion ----------------------------------------------------------------------
     def _poll(self) -> int:
         """Poll every transfer in flight; returns how many settled."""
         settled = 0
         for room in list(self.rooms):
             prog = self.rooms[room]
+            if prog.jobs:
+                settled += self._step_jobs(room, prog)
             if not prog.xfers:
+                self._maybe_finish(room)
                 continue
             remaining = []
             for x in prog.xfers:
@@ -415,6 +548,8 @@ class TransferWorker:
 
     def _fail(self, room: int, reason: str, finish: bool = True) -> None:
         prog = self.rooms.setdefault(room, RoomProgress())
+        for job in prog.jobs:
+            job.send.abandon(reason)
         if not prog.failed:
             prog.failed = True
             logger.error("sgl-nixl: room %s failed: %s", room, reason)
@@ -425,15 +560,17 @@ class TransferWorker:
 
     def _maybe_finish(self, room: int) -> None:
         prog = self.rooms.get(room)
-        if prog is None or prog.xfers:
+        if prog is None or prog.busy:
             return
         if prog.failed or room not in self.mgr.request_status:
             del self.rooms[room]
+            self.mgr.remote_free.pop(room, None)
             return
         if prog.last_seen:
             del self.rooms[room]
-            self.mgr.conclude_transfer(bootstrap_room=room, status=SUCCESS)
+            self.mgr.remote_free.pop(room, None)
             self.mgr.observe(room, prog, ok=True)
+            self.mgr.conclude_transfer(bootstrap_room=room, status=SUCCESS)
 
     def _sweep(self) -> None:
         """Forget rooms whose sender went away between chunks (nothing in flight)."""
@@ -441,7 +578,7 @@ class TransferWorker:
         if now - self._last_sweep < 1.0:
             return
         self._last_sweep = now
-        for room in [r for r, p in self.rooms.items() if not p.xfers]:
+        for room in [r for r, p in self.rooms.items() if not p.busy]:
             status = self.mgr.request_status.get(room)
             if status is None or status == FAILED:
                 del self.rooms[room]

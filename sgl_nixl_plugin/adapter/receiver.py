@@ -34,8 +34,12 @@ class NixlPluginKVReceiver(CommonKVReceiver):
                 return
 
     def _clear(self) -> None:
+        mgr = self.kv_mgr
+        ok = mgr.request_status.get(self.bootstrap_room) == KVPoll.Success
         super()._clear()
-        self.kv_mgr.room_endpoints.pop(self.bootstrap_room, None)
+        mgr.room_endpoints.pop(self.bootstrap_room, None)
+        if mgr.staging is not None:
+            mgr.staging.room_done(self.bootstrap_room, ok)
 
     def _send_abort_notification(self, *, force_arm: bool = False) -> None:
         mgr = self.kv_mgr

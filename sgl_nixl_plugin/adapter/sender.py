@@ -9,3 +9,4 @@ class NixlPluginKVSender(CommonKVSender):
     def clear(self) -> None:
         super().clear()
         self.kv_mgr.room_seen.pop(self.bootstrap_room, None)
+        self.kv_mgr.remote_free.pop(self.bootstrap_room, None)

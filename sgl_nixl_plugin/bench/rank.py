@@ -232,7 +232,7 @@ def _tables(mgr: Any) -> dict[str, int]:
         "request_status", "failure_records", "transfer_infos", "req_to_decode_prefix_len",
         "_staging_outstanding", "_deferred_ack_targets", "room_seen", "room_endpoints",
         "required_prefill_response_num_table", "prefill_response_tracker",
-        "_deferred_abort_ack_tracker",
+        "_deferred_abort_ack_tracker", "remote_free",
     ]
     out = {n: len(getattr(mgr, n)) for n in names if isinstance(getattr(mgr, n, None), dict)}
     tracker = getattr(mgr, "addr_to_rooms_tracker", None)
@@ -378,7 +378,7 @@ def run_decode(spec: RankSpec, env: dict[str, Any], progress: Any = None) -> dic
                 break
             pending.pop(0)
             slot = slots.pop()
-            for buf, n in zip(pools.aux, AUX_ITEM_BYTES):
+            for buf, n in zip(pools.aux, AUX_ITEM_BYTES, strict=False):
                 buf[slot * n : (slot + 1) * n] = 0
             receiver = cls["receiver"](mgr=mgr, bootstrap_addr=addr, bootstrap_room=r.room)
             receiver.init(0)
@@ -415,7 +415,7 @@ def run_decode(spec: RankSpec, env: dict[str, Any], progress: Any = None) -> dic
                     slot = ctx["slot"]
                     res["bad_aux"] = sum(
                         int(not np.array_equal(buf[slot * n : (slot + 1) * n], aux_pattern(room, b, n)))
-                        for b, (buf, n) in enumerate(zip(pools.aux, AUX_ITEM_BYTES))
+                        for b, (buf, n) in enumerate(zip(pools.aux, AUX_ITEM_BYTES, strict=False))
                     )
                     if r.with_state:
                         row = pools.state_row(slot)

@@ -69,7 +69,7 @@ def table(summaries: list[dict[str, Any]]) -> str:
         if summaries[1]["latency_p50_ms"] > 0:
             body[5][-1] = f"{summaries[1]['latency_p50_ms'] / max(summaries[0]['latency_p50_ms'], 1e-9):.2f}x faster"
     widths = [max(len(str(r[i])) for r in [head, *body]) for i in range(len(head))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(head, widths)).rstrip()]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(head, widths, strict=False)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in body]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in body]
     return "\n".join(lines)

@@ -45,11 +45,17 @@ def _pending_transfer_backend(current: type[enum.Enum]) -> type[enum.Enum]:
     """
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    pending = [
-        hook
-        for hook_type, hook, _src in HookRegistry._hooks.get(TRANSFER_BACKEND_TARGET, [])
-        if hook_type == HookType.REPLACE and isinstance(hook, type) and issubclass(hook, enum.Enum)
-    ]
+    try:  # private registry state: a nicety, so any surprise falls back to the live enum
+        queued = list(getattr(HookRegistry, "_hooks", {}).get(TRANSFER_BACKEND_TARGET, []))
+        pending = [
+            hook
+            for hook_type, hook, *_ in queued
+            if hook_type == HookType.REPLACE
+            and isinstance(hook, type)
+            and issubclass(hook, enum.Enum)
+        ]
+    except Exception:
+        return current
     return pending[-1] if pending else current
 
 

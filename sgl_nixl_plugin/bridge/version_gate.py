@@ -37,13 +37,15 @@ class GateResult:
         """One self-contained line for the log (or the SystemExit text in strict mode)."""
         if self.ok:
             return ""
+        reason = " | ".join(self.problems)
+        if strict_mode():
+            return (
+                f"sgl-nixl-plugin {__version__} refuses to start ({STRICT_ENV} is set). "
+                f"Reason: {reason}"
+            )
         return (
             f"sgl-nixl-plugin {__version__} is NOT active; SGLang's in-tree transfer backends "
-            f"stay in use. Reason: {' | '.join(self.problems)}"
-            f" (set {STRICT_ENV}=1 to make this a start-up failure)"
-            if not strict_mode()
-            else f"sgl-nixl-plugin {__version__} refuses to start ({STRICT_ENV} is set). "
-            f"Reason: {' | '.join(self.problems)}"
+            f"stay in use. Reason: {reason} (set {STRICT_ENV}=1 to make this a start-up failure)"
         )
 
 

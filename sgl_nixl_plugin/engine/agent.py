@@ -167,6 +167,43 @@ class Agent:
             xfer.error = f"NIXL refused to post the WRITE to {peer}"
         return xfer
 
+    def write_contiguous(
+        self,
+        src: int,
+        dst: int,
+        nbytes: int,
+        *,
+        peer: str,
+        mem_kind: str,
+        remote_mem_kind: str,
+        local_device: int = 0,
+        remote_device: int = 0,
+        notif: bytes = b"",
+    ) -> Xfer:
+        """One WRITE of ``nbytes`` between two registered addresses: a single descriptor."""
+        nixl = self._nixl
+        try:
+            local = nixl.get_xfer_descs(
+                np.array([[src, nbytes, local_device]], dtype=np.uint64), mem_kind
+            )
+            remote = nixl.get_xfer_descs(
+                np.array([[dst, nbytes, remote_device]], dtype=np.uint64), remote_mem_kind
+            )
+            handle = nixl.initialize_xfer("WRITE", local, remote, peer, notif)
+        except Exception as exc:
+            raise TransferError(f"NIXL could not build the staged WRITE to {peer}: {exc}") from exc
+        with self._lock:
+            self._xfers.add(handle)
+            self.live["xfer"] += 1
+        xfer = Xfer(handle, peer, nbytes, 1)
+        try:
+            xfer.state = nixl.transfer(handle)
+        except Exception as exc:
+            xfer.state, xfer.error = "ERR", f"NIXL could not post the WRITE to {peer}: {exc}"
+        if xfer.state == "ERR" and not xfer.error:
+            xfer.error = f"NIXL refused to post the WRITE to {peer}"
+        return xfer
+
     def poll(self, xfer: Xfer) -> str:
         """Refresh and return ``xfer.state``: PROC, DONE or ERR (reason in ``xfer.error``)."""
         if xfer.state != "PROC":

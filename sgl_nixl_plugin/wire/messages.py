@@ -113,6 +113,7 @@ class TransferRequest(msgspec.Struct, frozen=True, tag="xfer"):
     decode_prefix_len: NonNeg = 0
     is_dummy: bool = False
     indices: Annotated[list[IndexSpec], msgspec.Meta(max_length=MAX_INDEX_FRAMES)] = []
+    staging_slots: Annotated[list[NonNeg], msgspec.Meta(max_length=64)] = []  # granted to this sender
 
 
 class TransferStatus(msgspec.Struct, frozen=True, tag="status"):
@@ -141,6 +142,39 @@ class AbortAck(msgspec.Struct, frozen=True, tag="abort_ack"):
     generation: int | None = None
 
 
+class PieceReady(msgspec.Struct, frozen=True, tag="piece"):
+    """Prefill rank -> decode rank: a staged piece has landed in ``slot``; scatter it.
+
+    The piece covers regions ``[r0, r1)`` and units ``[j0, j1)`` of the chunk whose
+    destination pages are ``dst_pages[page_start : page_start + page_count]``; units map
+    to destination bytes with ``units_per_item``, ``unit_len``, ``dst_stride``, ``dst_offset``.
+    """
+
+    room: Room
+    prefill_rank: NonNeg
+    ip: Name
+    port: Port
+    slot: NonNeg
+    r0: NonNeg
+    r1: NonNeg
+    j0: NonNeg
+    j1: NonNeg
+    page_start: NonNeg
+    page_count: NonNeg
+    unit_len: Annotated[int, msgspec.Meta(gt=0)]
+    units_per_item: Annotated[int, msgspec.Meta(gt=0)]
+    dst_stride: Annotated[int, msgspec.Meta(gt=0)]
+    dst_offset: NonNeg = 0
+
+
+class PieceDone(msgspec.Struct, frozen=True, tag="piece_done"):
+    """Decode rank -> prefill rank: ``slot`` was scattered and may be written again."""
+
+    room: Room
+    agent_name: Name
+    slot: NonNeg
+
+
 class Ping(msgspec.Struct, frozen=True, tag="ping"):
     """Liveness probe; the peer answers with a Pong to ``ip:port``."""
 
@@ -164,6 +198,8 @@ Message = (
     | RegistrationReply
     | TransferRequest
     | TransferStatus
+    | PieceReady
+    | PieceDone
     | Abort
     | AbortAck
     | Ping

@@ -1,0 +1,287 @@
+"""Staged transfers for scattered pages: gather -> few large WRITEs -> scatter, pipelined.
+
+When a request's pages are scattered, every page of every layer is its own NIXL
+descriptor, and on cuda_ipc each costs ~13 µs whatever its size. The staged path copies
+the request's units into a registered staging slot on the sender (one kernel per piece),
+moves each slot with ONE descriptor, and the receiver copies the slot into its pages.
+Pieces (groups of layers, or parts of one layer) flow through a few slots, so piece i+1
+is gathered while piece i is on the wire and the receiver scatters piece i-1.
+
+This module is SGLang-free: the adapter carries ``PieceReady``/``PieceDone`` between the
+two sides, and the GPU benchmark drives the same classes with its own channel.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sgl_nixl_plugin.engine.agent import Agent, TransferError, Xfer
+from sgl_nixl_plugin.engine.layout import Geometry, RegionSet
+
+logger = logging.getLogger(__name__)
+
+# Cost model behind the automatic path choice (see ``choose_path``), per memory kind:
+# seconds per posted descriptor, and bytes/s of one gather or scatter pass.
+DESCRIPTOR_COST_S = {"VRAM": 13e-6, "DRAM": 2.5e-6}
+COPY_BYTES_PER_S = {"VRAM": 1.0e12, "DRAM": 4.0e9}
+PIECE_OVERHEAD_S = {"VRAM": 60e-6, "DRAM": 60e-6}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Regions ``[r0, r1)`` x request units ``[j0, j1)``, laid out region-major in a slot."""
+
+    index: int
+    r0: int
+    r1: int
+    j0: int
+    j1: int
+    unit_len: int
+
+    @property
+    def nbytes(self) -> int:
+        return (self.r1 - self.r0) * (self.j1 - self.j0) * self.unit_len
+
+
+def plan_pieces(num_regions: int, num_units: int, unit_len: int, slot_bytes: int) -> list[Piece]:
+    """Cut (regions x units) into pieces of at most ``slot_bytes``, region-major."""
+    if num_units == 0 or num_regions == 0:
+        return []
+    region_bytes = num_units * unit_len
+    pieces: list[Piece] = []
+    if region_bytes <= slot_bytes:
+        per = max(1, slot_bytes // region_bytes)
+        for r0 in range(0, num_regions, per):
+            pieces.append(Piece(len(pieces), r0, min(num_regions, r0 + per), 0, num_units, unit_len))
+        return pieces
+    units_per_piece = max(1, slot_bytes // unit_len)
+    for r in range(num_regions):
+        for j0 in range(0, num_units, units_per_piece):
+            pieces.append(
+                Piece(len(pieces), r, r + 1, j0, min(num_units, j0 + units_per_piece), unit_len)
+            )
+    return pieces
+
+
+def choose_path(
+    *,
+    mode: str,
+    descriptors: int,
+    nbytes: int,
+    mem_kind: str,
+    slot_bytes: int,
+    staging_possible: bool,
+) -> str:
+    """``direct`` or ``staging`` for one transfer.
+
+    Rule: estimate both and take the cheaper. Direct costs one descriptor charge per
+    posted descriptor; staging costs two extra copy passes (hidden behind the wire when
+    pipelined, so only the first gather and last scatter show) plus a small per-piece
+    charge. ``mode`` ("direct"/"staging") overrides, when staging is possible at all.
+    """
+    if not staging_possible or mode == "direct":
+        return "direct"
+    if mode == "staging":
+        return "staging"
+    pieces = max(1, -(-nbytes // max(1, slot_bytes)))
+    direct_s = descriptors * DESCRIPTOR_COST_S[mem_kind]
+    piece = min(nbytes, slot_bytes)
+    staging_s = 2 * piece / COPY_BYTES_PER_S[mem_kind] + pieces * PIECE_OVERHEAD_S[mem_kind]
+    return "staging" if staging_s < direct_s else "direct"
+
+
+class StagingBuffer:
+    """A registered buffer cut into equal slots, with a thread-safe free list."""
+
+    def __init__(self, agent: Agent, nbytes: int, slot_bytes: int, mem_kind: str, device: int = 0) -> None:
+        if slot_bytes <= 0 or nbytes < slot_bytes:
+            raise ValueError(f"staging of {nbytes} bytes cannot hold a {slot_bytes}-byte slot")
+        self.slot_bytes = slot_bytes
+        self.num_slots = nbytes // slot_bytes
+        self.mem_kind = mem_kind
+        self.device = device
+        size = self.num_slots * slot_bytes
+        if mem_kind == "VRAM":
+            import torch
+
+            self._mem: Any = torch.empty(size, dtype=torch.uint8, device=f"cuda:{device}")
+            self.ptr = int(self._mem.data_ptr())
+        else:
+            self._mem = np.full(size, 0, dtype=np.uint8)  # touched now: no faults mid-transfer
+            self.ptr = int(self._mem.ctypes.data)
+        self.nbytes = size
+        self.regions = RegionSet((self.ptr,), (size,), (slot_bytes,), (device,), mem_kind)
+        agent.register(self.regions)
+        self._free = deque(range(self.num_slots))
+        self._lock = threading.Lock()
+
+    def acquire(self, n: int = 1) -> list[int]:
+        """Up to ``n`` free slots (possibly none): callers wait and retry, never allocate more."""
+        with self._lock:
+            k = min(n, len(self._free))
+            return [self._free.popleft() for _ in range(k)]
+
+    def release(self, slots: list[int]) -> None:
+        with self._lock:
+            self._free.extend(slots)
+
+    @property
+    def free(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def addr(self, slot: int) -> int:
+        return self.ptr + slot * self.slot_bytes
+
+
+@dataclass
+class RemoteStaging:
+    """The receiver's staging area as the sender sees it."""
+
+    ptr: int
+    slot_bytes: int
+    device: int
+    mem_kind: str
+
+    def addr(self, slot: int) -> int:
+        return self.ptr + slot * self.slot_bytes
+
+
+@dataclass
+class _InFlight:
+    piece: Piece
+    local_slot: int
+    remote_slot: int
+    xfer: Xfer | None = None
+    event: Any = None  # CUDA event recorded after the gather
+
+
+@dataclass
+class StagedSend:
+    """Sender-side state machine of one request through the staging path.
+
+    ``step`` never blocks: it gathers pieces into free local slots, posts the WRITE of a
+    gathered piece once a receiver slot is free, and reports finished pieces; the caller
+    tells the receiver (``ready``) and hands back receiver slots the receiver freed
+    (``credit``).
+    """
+
+    agent: Agent
+    copier: Any
+    local: StagingBuffer
+    remote: RemoteStaging
+    peer: str
+    src_bases: np.ndarray
+    units: np.ndarray
+    geometry: Geometry
+    pieces: list[Piece]
+    remote_free: deque[int]  # receiver slots this room may write; shared by its chunks
+    stream: Any = None
+    _next: int = 0
+    _gathered: deque[_InFlight] = field(default_factory=deque)
+    _writing: list[_InFlight] = field(default_factory=list)
+    done_pieces: int = 0
+    nbytes: int = 0
+    error: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.done_pieces == len(self.pieces) or bool(self.error)
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self._writing or self._gathered)
+
+    def step(self) -> list[tuple[Piece, int]]:
+        """Advance; returns ``(piece, remote_slot)`` for every piece that has landed."""
+        landed: list[tuple[Piece, int]] = []
+        # 1. completions (also after an error, so in-flight WRITEs drain and free slots)
+        still = []
+        for f in self._writing:
+            state = self.agent.poll(f.xfer)
+            if state == "PROC":
+                still.append(f)
+                continue
+            self.agent.release(f.xfer)
+            self.local.release([f.local_slot])
+            if state == "ERR":
+                self.error = self.error or f.xfer.error or "staging WRITE failed"
+                continue
+            if self.error:
+                continue
+            self.done_pieces += 1
+            self.nbytes += f.piece.nbytes
+            landed.append((f.piece, f.remote_slot))
+        self._writing = still
+        if self.error:
+            return landed
+        # 2. gather ahead into free local slots (bounded by the buffer: backpressure)
+        while self._next < len(self.pieces) and len(self._gathered) < 2:
+            slots = self.local.acquire(1)
+            if not slots:
+                break
+            piece = self.pieces[self._next]
+            self._next += 1
+            g = self.geometry
+            self.copier.gather(
+                self.src_bases[piece.r0 : piece.r1], self.units[piece.j0 : piece.j1],
+                piece.unit_len, g.src_stride or piece.unit_len, g.src_offset,
+                self.local.addr(slots[0]), self.stream,
+            )
+            f = _InFlight(piece, slots[0], -1)
+            if self.stream is not None:
+                import torch
+
+                f.event = torch.cuda.Event()
+                f.event.record(self.stream)
+            self._gathered.append(f)
+        # 3. post WRITEs for gathered pieces that have a receiver slot
+        while self._gathered and self.remote_free:
+            f = self._gathered[0]
+            if f.event is not None and not f.event.query():
+                break
+            self._gathered.popleft()
+            f.remote_slot = self.remote_free.popleft()
+            try:
+                f.xfer = self.agent.write_contiguous(
+                    self.local.addr(f.local_slot), self.remote.addr(f.remote_slot),
+                    f.piece.nbytes, peer=self.peer, mem_kind=self.local.mem_kind,
+                    remote_mem_kind=self.remote.mem_kind, local_device=self.local.device,
+                    remote_device=self.remote.device,
+                )
+            except TransferError as exc:
+                self.local.release([f.local_slot])
+                self.error = str(exc)
+                return landed
+            self._writing.append(f)
+        return landed
+
+    def abandon(self, reason: str = "abandoned") -> None:
+        """Stop: give back local slots of pieces never posted; in-flight WRITEs still drain."""
+        self.error = self.error or reason
+        for f in self._gathered:
+            self.local.release([f.local_slot])
+        self._gathered.clear()
+
+
+def unit_indices_of(pages: np.ndarray, geometry: Geometry) -> np.ndarray:
+    """Unit numbers of ``pages`` within each region (int64), in request order."""
+    pages = np.asarray(pages, dtype=np.int64)
+    upp = geometry.units_per_item
+    if upp == 1:
+        return pages
+    return (pages[:, None] * upp + np.arange(upp)).ravel()
+
+
+def staging_unit_len(regions: RegionSet, geometry: Geometry) -> int | None:
+    """The unit length staging would use, or None when regions differ in item size."""
+    if geometry.is_whole_items:
+        sizes = set(regions.item_lens)
+        return sizes.pop() if len(sizes) == 1 else None
+    return geometry.unit_len
