@@ -53,8 +53,8 @@ class Settings:
     staging_bytes: int = 256 << 20
     staging_piece_bytes: int = 16 << 20
     kv_mem_kind: str = ""  # "" = what SGLang says, else DRAM/VRAM
-    liveness_interval_s: float = 0.5
-    liveness_misses: int = 3
+    liveness_interval_s: float = 1.0
+    liveness_misses: int = 5
     abort_drain_timeout_s: float = 5.0
 
     @classmethod
@@ -75,7 +75,7 @@ class Settings:
             staging_bytes=_int("SGL_NIXL_PLUGIN_STAGING_BYTES", 256 << 20),
             staging_piece_bytes=_int("SGL_NIXL_PLUGIN_STAGING_PIECE_BYTES", 16 << 20),
             kv_mem_kind=kind,
-            liveness_interval_s=_float("SGL_NIXL_PLUGIN_LIVENESS_INTERVAL", 0.5),
-            liveness_misses=max(1, _int("SGL_NIXL_PLUGIN_LIVENESS_MISSES", 3)),
+            liveness_interval_s=_float("SGL_NIXL_PLUGIN_LIVENESS_INTERVAL", 1.0),
+            liveness_misses=max(1, _int("SGL_NIXL_PLUGIN_LIVENESS_MISSES", 5)),
             abort_drain_timeout_s=_float("SGL_NIXL_PLUGIN_ABORT_DRAIN_TIMEOUT", 5.0),
         )

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from sgl_nixl_plugin.adapter.liveness import Liveness
+from sgl_nixl_plugin.adapter.liveness import PeerWatch, drain
 from sgl_nixl_plugin.wire.messages import (
     AbortAck,
     PieceReady,
@@ -33,8 +33,9 @@ class DecodeListener:
     def __init__(self, mgr: NixlPluginKVManager) -> None:
         self.mgr = mgr
         s = mgr.settings
-        self.liveness = Liveness(s.liveness_interval_s, s.liveness_misses)
+        self.watch = PeerWatch(mgr._zmq_ctx, s.liveness_interval_s, s.liveness_misses)
         self._stop = threading.Event()
+        self._next_check = 0.0
         self.thread = threading.Thread(target=self._run, name="sgl-nixl-decode-rx", daemon=True)
 
     def start(self) -> None:
@@ -45,24 +46,34 @@ class DecodeListener:
 
     def _run(self) -> None:
         sock = self.mgr.server_socket
-        poller = zmq.Poller()
+        poller = self.watch.poller
         poller.register(sock, zmq.POLLIN)
-        tick_ms = max(10, int(self.liveness.interval * 1000 / 2))
+        tick_ms = max(10, int(self.watch.interval * 1000 / 2))
         while not self._stop.is_set():
             try:
-                if poller.poll(tick_ms):
-                    frames = sock.recv_multipart(copy=False)
-                    decoded = self.mgr.codec.decode(frames)
-                    if decoded is not None:
-                        self._dispatch(decoded.msg)
+                for ready, _ in poller.poll(tick_ms):
+                    if ready is sock:
+                        for frames in drain(sock):
+                            decoded = self.mgr.codec.decode(frames)
+                            if decoded is not None:
+                                self._dispatch(decoded.msg)
+                    elif self.watch.owns(ready):
+                        for ip, port in self.watch.on_monitor(ready):
+                            self._lost((ip, port), f"prefill rank {ip}:{port} closed its connection "
+                                       "(the process exited or restarted)")
                 self._check_liveness()
             except zmq.ZMQError as exc:
                 if self._stop.is_set():
-                    return
+                    break
                 logger.error("sgl-nixl decode control socket error: %s", exc)
                 time.sleep(0.05)
             except Exception:
                 logger.exception("sgl-nixl: decode listener error; it goes on")
+        self.watch.close()
+
+    def _lost(self, endpoint: tuple[str, int], reason: str) -> None:
+        self.watch.forget(endpoint)
+        self.mgr.fail_endpoint(endpoint, reason)
 
     def _dispatch(self, msg: Any) -> None:
         mgr = self.mgr
@@ -77,12 +88,14 @@ class DecodeListener:
             else:
                 mgr.staging.submit(msg)
         elif isinstance(msg, Pong):
-            self.liveness.replied((msg.ip, msg.port))
+            self.watch.replied((msg.ip, msg.port))
         elif isinstance(msg, AbortAck):
             if mgr.enable_deferred_decode_kv_release and msg.generation is not None:
                 mgr.note_abort_ack(msg.room, msg.prefill_rank, msg.generation)
         elif isinstance(msg, RegistrationReply):
-            if not msg.accepted:
+            if msg.retry:
+                mgr.forget_endpoint((msg.ip, msg.port))  # it lost our registration: send it again
+            elif not msg.accepted:
                 mgr.on_refused((msg.ip, msg.port), msg.reason)
         elif isinstance(msg, Ping):
             mgr.send_to((msg.ip, msg.port), Pong(mgr.engine.name, msg.seq, mgr.local_ip, mgr.rank_port))
@@ -90,12 +103,18 @@ class DecodeListener:
             mgr.codec.rejections.reject("unexpected", type(msg).__name__)
 
     def _check_liveness(self) -> None:
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + self.watch.interval / 4
         mgr = self.mgr
-        for endpoint, seq in self.liveness.watch(mgr.pending_endpoints()):
-            mgr.send_to(endpoint, Ping(mgr.engine.name, mgr.local_ip, mgr.rank_port, seq))
-        for (ip, port), silent in self.liveness.dead():
-            mgr.fail_endpoint(
+        self.watch.sync(mgr.pending_endpoints())
+        self.watch.ping(
+            lambda seq: mgr.codec.encode(Ping(mgr.engine.name, mgr.local_ip, mgr.rank_port, seq))
+        )
+        for (ip, port), silent in self.watch.silent():
+            self._lost(
                 (ip, port),
                 f"prefill rank {ip}:{port} stopped answering (no reply for {silent:.1f}s); "
-                "it may have crashed or the network is partitioned",
+                "the host may be down or the network partitioned",
             )

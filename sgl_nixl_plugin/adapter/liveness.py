@@ -1,55 +1,151 @@
-"""Peer liveness by ping/pong over the control channel, only while work is pending.
+"""Peer liveness while work is pending: connection watch plus ping/pong.
 
-A peer with rooms in flight is pinged every ``interval``; one that has not answered for
-``misses`` intervals is declared dead, so its rooms fail in about a second and a half
-(SGLang's HTTP heartbeat takes ten seconds and misses a dead rank behind a live
-bootstrap server). Peers with nothing pending are not pinged at all.
+For every peer that holds rooms in flight, the owning control thread keeps one PUSH
+socket with a ZMQ monitor. A peer process that dies closes its sockets, the kernel resets
+the connection and the monitor reports it at once: its rooms fail in milliseconds, with no
+timer that a busy machine could trip. A peer that vanishes without a reset (a network
+partition, a frozen host) stops answering pings and is declared dead after ``misses``
+intervals. Peers with nothing pending are neither watched nor pinged.
+
+Not thread-safe: one control thread owns a ``PeerWatch`` and every socket in it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 Endpoint = tuple[str, int]
 
 
 @dataclass
-class _Peer:
+class _Watched:
+    sock: Any
+    monitor: Any
     seq: int = 0
+    connected: bool = False
     last_reply: float = field(default_factory=time.monotonic)
     last_ping: float = 0.0
 
 
-class Liveness:
-    def __init__(self, interval_s: float, misses: int) -> None:
+class PeerWatch:
+    def __init__(self, ctx: zmq.Context, interval_s: float, misses: int) -> None:
+        self.ctx = ctx
         self.interval = interval_s
         self.deadline = interval_s * misses
-        self._peers: dict[Endpoint, _Peer] = {}
+        self._peers: dict[Endpoint, _Watched] = {}
+        self._by_monitor: dict[Any, Endpoint] = {}
+        self._last_check = time.monotonic()
+        self.poller = zmq.Poller()
 
-    def watch(self, endpoints: set[Endpoint]) -> list[tuple[Endpoint, int]]:
-        """Track exactly ``endpoints``; returns the (endpoint, seq) pings due now."""
+    def sync(self, endpoints: set[Endpoint]) -> None:
+        """Watch exactly ``endpoints`` (open new watches, close finished ones)."""
+        for ep in set(self._peers) - endpoints:
+            self._close(ep)
+        for ep in endpoints - set(self._peers):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 16)
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            host = f"[{ep[0]}]" if ":" in ep[0] else ep[0]
+            if ":" in ep[0]:
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(f"tcp://{host}:{ep[1]}")
+            self._peers[ep] = _Watched(sock, monitor)
+            self._by_monitor[monitor] = ep
+            self.poller.register(monitor, zmq.POLLIN)
+
+    def _close(self, ep: Endpoint) -> None:
+        w = self._peers.pop(ep)
+        self._by_monitor.pop(w.monitor, None)
+        self.poller.unregister(w.monitor)
+        w.sock.disable_monitor()
+        w.monitor.close(linger=0)
+        w.sock.close(linger=0)
+
+    def close(self) -> None:
+        for ep in list(self._peers):
+            self._close(ep)
+
+    def owns(self, sock: Any) -> bool:
+        return sock in self._by_monitor
+
+    def on_monitor(self, monitor: Any) -> list[Endpoint]:
+        """Drain one monitor socket; returns endpoints that lost an established connection."""
+        ep = self._by_monitor.get(monitor)
+        lost: list[Endpoint] = []
+        while True:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            w = self._peers.get(ep) if ep else None
+            if w is None:
+                break
+            if event["event"] == zmq.EVENT_CONNECTED:
+                w.connected = True
+                w.last_reply = time.monotonic()
+            elif event["event"] == zmq.EVENT_DISCONNECTED and w.connected:
+                w.connected = False
+                lost.append(ep)
+        return lost
+
+    def ping(self, make_ping: Callable[[int], list[Any]]) -> None:
+        """Send a ping to every watched peer that is due one."""
         now = time.monotonic()
-        for gone in set(self._peers) - endpoints:
-            del self._peers[gone]
-        due = []
-        for ep in endpoints:
-            peer = self._peers.setdefault(ep, _Peer(last_reply=now))
-            if now - peer.last_ping >= self.interval:
-                peer.seq += 1
-                peer.last_ping = now
-                due.append((ep, peer.seq))
-        return due
+        for w in self._peers.values():
+            if now - w.last_ping < self.interval:
+                continue
+            w.seq += 1
+            w.last_ping = now
+            try:
+                w.sock.send_multipart(make_ping(w.seq), flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                pass  # not connected yet, or the peer stopped reading: the deadline decides
 
     def replied(self, endpoint: Endpoint) -> None:
-        peer = self._peers.get(endpoint)
-        if peer is not None:
-            peer.last_reply = time.monotonic()
+        w = self._peers.get(endpoint)
+        if w is not None:
+            w.last_reply = time.monotonic()
 
-    def dead(self) -> list[tuple[Endpoint, float]]:
-        """Endpoints silent past the deadline, with how long they have been silent."""
+    def silent(self) -> list[tuple[Endpoint, float]]:
+        """Peers that have not answered past the deadline, with how long they've been silent.
+
+        If this thread itself was stalled (GIL, CPU starvation) since the last check, the
+        stall is forgiven: a peer is only blamed for silence while we were listening.
+        """
         now = time.monotonic()
-        out = [(ep, now - p.last_reply) for ep, p in self._peers.items() if now - p.last_reply > self.deadline]
-        for ep, _ in out:
-            del self._peers[ep]
-        return out
+        gap = now - self._last_check
+        self._last_check = now
+        if gap > self.interval:
+            for w in self._peers.values():
+                w.last_reply += gap
+        return [
+            (ep, now - w.last_reply)
+            for ep, w in self._peers.items()
+            if now - w.last_reply > self.deadline
+        ]
+
+    def forget(self, endpoint: Endpoint) -> None:
+        if endpoint in self._peers:
+            self._close(endpoint)
+
+
+def drain(sock: Any, limit: int = 256) -> list[list[Any]]:
+    """Every message already queued on ``sock`` (up to ``limit``), without blocking.
+
+    Reading the whole backlog before judging silence matters: a pong may be waiting
+    behind other messages.
+    """
+    out = []
+    for _ in range(limit):
+        try:
+            out.append(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+        except zmq.Again:
+            break
+    return out

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zmq
 
+from sgl_nixl_plugin.adapter.liveness import PeerWatch, drain
 from sgl_nixl_plugin.adapter.memory import kv_geometry, remote_memory
 from sgl_nixl_plugin.engine.agent import TransferError, Xfer
 from sgl_nixl_plugin.engine.descriptors import expected_descriptors, validate_items
@@ -137,6 +138,10 @@ class PrefillControl:
         self.refused: dict[str, str] = {}  # agent -> reason its registration was refused
         self.lock = threading.Lock()
         self._stop = threading.Event()
+        s = mgr.settings
+        self.watch = PeerWatch(mgr._zmq_ctx, s.liveness_interval_s, s.liveness_misses)
+        self._pending: dict[tuple[str, int], str] = {}
+        self._next_check = 0.0
         self.thread = threading.Thread(target=self._run, name="sgl-nixl-prefill-ctl", daemon=True)
 
     def start(self) -> None:
@@ -147,30 +152,77 @@ class PrefillControl:
 
     # -- loop -------------------------------------------------------------------------
     def _run(self) -> None:
-        sock = self.mgr.server_socket
-        poller = zmq.Poller()
+        mgr = self.mgr
+        sock = mgr.server_socket
+        poller = self.watch.poller
         poller.register(sock, zmq.POLLIN)
+        tick_ms = max(10, int(self.watch.interval * 1000 / 2))
         while not self._stop.is_set():
             try:
-                if not poller.poll(500):
-                    continue
-                frames = sock.recv_multipart(copy=False)
+                for ready, _ in poller.poll(tick_ms):
+                    if ready is sock:
+                        for frames in drain(sock):
+                            self._receive(frames)
+                    elif self.watch.owns(ready):
+                        for ep in self.watch.on_monitor(ready):
+                            self._lost(ep, "closed its connection (the process exited or restarted)", drop=True)
+                self._check_liveness()
             except zmq.ZMQError as exc:
                 if self._stop.is_set():
-                    return
+                    break
                 logger.error("sgl-nixl prefill control socket error: %s", exc)
                 time.sleep(0.05)
-                continue
-            decoded = self.mgr.codec.decode(frames)
-            if decoded is None:
-                continue
-            try:
-                self._dispatch(decoded.msg, decoded.kv, decoded.state)
             except Exception:
-                logger.exception(
-                    "sgl-nixl: error handling %s; the control thread goes on",
-                    type(decoded.msg).__name__,
-                )
+                logger.exception("sgl-nixl: prefill control error; the control thread goes on")
+        self.watch.close()
+
+    def _receive(self, frames: list[Any]) -> None:
+        decoded = self.mgr.codec.decode(frames)
+        if decoded is None:
+            return
+        try:
+            self._dispatch(decoded.msg, decoded.kv, decoded.state)
+        except Exception:
+            logger.exception(
+                "sgl-nixl: error handling %s; the control thread goes on", type(decoded.msg).__name__
+            )
+
+    def _pending_decodes(self) -> dict[tuple[str, int], str]:
+        """Decode endpoints (-> agent) that still await data for some room."""
+        mgr, out = self.mgr, {}
+        for room, infos in list(mgr.transfer_infos.items()):
+            if mgr.request_status.get(room) in (None, FAILED, SUCCESS):
+                continue
+            for info in list(infos.values()):
+                if not info.is_dummy:
+                    out[(info.endpoint, info.dst_port)] = info.agent
+        return out
+
+    def _check_liveness(self) -> None:
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + self.watch.interval / 4
+        mgr = self.mgr
+        self._pending = self._pending_decodes()
+        self.watch.sync(set(self._pending))
+        self.watch.ping(
+            lambda seq: mgr.codec.encode(Ping(mgr.engine.name, mgr.local_ip, mgr.rank_port, seq))
+        )
+        for ep, silent in self.watch.silent():
+            self._lost(ep, f"stopped answering (no reply for {silent:.1f}s)", drop=False)
+
+    def _lost(self, endpoint: tuple[str, int], why: str, drop: bool) -> None:
+        self.watch.forget(endpoint)
+        agent = self._pending.get(endpoint)
+        if agent is None:
+            return
+        reason = f"decode {agent} at {endpoint[0]}:{endpoint[1]} {why}"
+        logger.error("sgl-nixl: %s", reason)
+        if drop:
+            self.drop_peer(agent, why)
+        else:
+            self.mgr.fail_rooms_of_peer(agent, reason)
 
     def _dispatch(self, msg: Any, kv: np.ndarray | None, state: list[np.ndarray]) -> None:
         if isinstance(msg, TransferRequest):
@@ -179,7 +231,9 @@ class PrefillControl:
             self.on_registration(msg)
         elif isinstance(msg, PieceDone):
             free = self.mgr.remote_free.get(msg.room, {}).get(msg.agent_name)
-            if free is None or msg.slot not in free.granted:
+            if free is None:
+                return  # the room already ended: its last credits are not needed
+            if msg.slot not in free.granted:
                 self.mgr.codec.rejections.reject("bad_credit", f"room {msg.room} slot {msg.slot}")
             else:
                 free.append(msg.slot)
@@ -204,7 +258,10 @@ class PrefillControl:
         if known is not None and known.reg == reg:
             # The same decode process registering again (its cache was reset): keep the link.
             known.last_seen = time.monotonic()
-            mgr.send_to(endpoint, RegistrationReply(reg.agent_name, mgr.prefill_rank_id, True))
+            mgr.send_to(
+                endpoint,
+                RegistrationReply(reg.agent_name, mgr.prefill_rank_id, True, "", mgr.local_ip, mgr.rank_port),
+            )
             return
         if known is not None:
             self.drop_peer(reg.agent_name, "re-registered with a different layout")
@@ -253,7 +310,9 @@ class PrefillControl:
             )
         mgr.send_to(
             endpoint,
-            RegistrationReply(reg.agent_name, mgr.prefill_rank_id, not reason, reason),
+            RegistrationReply(
+                reg.agent_name, mgr.prefill_rank_id, not reason, reason, mgr.local_ip, mgr.rank_port
+            ),
         )
 
     def _drop_peer_locked(self, peer: DecodePeer, why: str) -> None:
@@ -280,6 +339,14 @@ class PrefillControl:
                 "(it restarted or was dropped); it re-registers on its next request"
             )
             mgr.send_to(target, TransferStatus(room, FAILED, mgr.prefill_rank_id, reason))
+            if refused is None:
+                mgr.send_to(
+                    target,
+                    RegistrationReply(
+                        req.agent_name, mgr.prefill_rank_id, False, reason,
+                        mgr.local_ip, mgr.rank_port, retry=True,
+                    ),
+                )
             return
         peer.last_seen = time.monotonic()
         kv = np.empty(0, np.int32) if kv is None else kv

@@ -88,6 +88,7 @@ class RegistrationReply(msgspec.Struct, frozen=True, tag="reg_reply"):
     reason: Reason = ""
     ip: Name = ""  # the prefill rank's control address, so the decode knows who refused
     port: Port = 0
+    retry: bool = False  # the prefill lost this decode's registration: register again
 
 
 class IndexSpec(msgspec.Struct, frozen=True, array_like=True):
