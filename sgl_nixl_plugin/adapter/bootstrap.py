@@ -1,9 +1,141 @@
-"""The bootstrap server (runs in the prefill's main process): SGLang's routes."""
+"""The bootstrap server (in the prefill's main process): SGLang's routes, hardened.
+
+Same routes and answers as SGLang's common server, plus: bodies are validated against a
+schema (a malformed one is a 400 that says what is wrong, never a 500 with a traceback);
+bodies are size-capped; readiness counts distinct ranks, so repeated registrations can't
+fake it; and with a shared secret, registering a rank, learning a rank's address and
+mapping rooms to DP ranks need a valid signature (``wire.http_auth``).
+"""
 
 from __future__ import annotations
 
+import logging
+from typing import Annotated, Any
+
+import msgspec
+from aiohttp import web
 from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
+
+from sgl_nixl_plugin import metrics
+from sgl_nixl_plugin.settings import read_secret
+from sgl_nixl_plugin.wire.http_auth import HEADER, verify
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY = 64 << 10
+Rank = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+Size = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+
+
+class RoutePut(msgspec.Struct):
+    """The body of PUT /route (extra keys are accepted, as SGLang adds them over time)."""
+
+    attn_tp_size: Size
+    attn_tp_rank: Rank
+    attn_cp_size: Size
+    attn_cp_rank: Rank
+    attn_dp_size: Size
+    attn_dp_rank: Rank
+    pp_size: Size
+    pp_rank: Rank
+    system_dp_size: Size
+    system_dp_rank: Rank
+    rank_ip: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    rank_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    page_size: Size
+    kv_cache_dtype: str | None = None
+
+
+class RegisterDpRank(msgspec.Struct):
+    bootstrap_room: Annotated[int, msgspec.Meta(ge=0)]
+    dp_rank: Rank
+
+
+class QueryDpRanks(msgspec.Struct):
+    bootstrap_rooms: Annotated[list[int], msgspec.Meta(max_length=65536)]
+
+
+SCHEMAS: dict[tuple[str, str], type] = {
+    ("PUT", "/route"): RoutePut,
+    ("POST", "/register_dp_rank"): RegisterDpRank,
+    ("POST", "/query_dp_ranks"): QueryDpRanks,
+}
+
+
+def _needs_auth(request: web.Request) -> bool:
+    if request.path == "/route":
+        if request.method != "GET":
+            return True
+        # The aggregate topology query (-1 everywhere) names no address: left open.
+        return any(request.query.get(k) != "-1" for k in (
+            "prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank"))
+    return request.path == "/register_dp_rank"
 
 
 class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
-    pass
+    def _setup_routes(self) -> None:
+        self.secret = read_secret()
+        self.app = web.Application(client_max_size=MAX_BODY, middlewares=[self._guard])
+        super()._setup_routes()
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._refuse(request, 413, "too_large", f"body larger than {MAX_BODY} bytes")
+        if self.secret and _needs_auth(request):
+            problem = verify(
+                self.secret, request.method, request.path_qs, body, request.headers.get(HEADER)
+            )
+            if problem:
+                return self._refuse(request, 401, "unauthenticated", problem)
+        schema = SCHEMAS.get((request.method, request.path))
+        if schema is not None:
+            try:
+                data = msgspec.json.decode(body, type=schema)
+            except msgspec.DecodeError as exc:
+                return self._refuse(request, 400, "malformed", f"invalid body: {exc}")
+            if isinstance(data, RoutePut) and (problem := self._inconsistent(data)):
+                return self._refuse(request, 400, "inconsistent", problem)
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except (KeyError, ValueError, TypeError) as exc:
+            return self._refuse(request, 400, "malformed", f"invalid request: {exc!r}")
+        except Exception:
+            logger.exception("sgl-nixl bootstrap: error serving %s %s", request.method, request.path)
+            return web.Response(status=500, text="internal error (see the server log)")
+
+    def _refuse(self, request: web.Request, status: int, reason: str, text: str) -> web.Response:
+        metrics.rejected(f"http_{reason}")
+        logger.warning(
+            "sgl-nixl bootstrap: %d for %s %s from %s: %s",
+            status, request.method, request.path, request.remote, text,
+        )
+        return web.Response(status=status, text=text)
+
+    def _inconsistent(self, d: RoutePut) -> str:
+        """A rank whose topology contradicts the ranks already registered."""
+        checks = {
+            "attn_tp_size": (self.attn_tp_size, d.attn_tp_size),
+            "attn_cp_size": (self.attn_cp_size, d.attn_cp_size),
+            "pp_size": (self.pp_size, d.pp_size),
+            "page_size": (self.page_size, d.page_size),
+        }
+        bad = [f"{k}={new} (registered: {old})" for k, (old, new) in checks.items()
+               if old is not None and old != new]
+        if d.attn_tp_rank >= d.attn_tp_size or d.pp_rank >= d.pp_size or d.attn_cp_rank >= d.attn_cp_size:
+            bad.append("a rank is not smaller than its size")
+        return ("topology differs from the ranks already registered: " + ", ".join(bad)) if bad else ""
+
+    def _is_ready(self) -> bool:
+        if None in (self.attn_tp_size, self.attn_cp_size, self.pp_size, self.dp_size):
+            return False
+        expected = self.dp_size * self.attn_cp_size * self.attn_tp_size * self.pp_size
+        distinct = sum(
+            len(pp) for dp in self.prefill_port_table.values()
+            for cp in dp.values() for pp in cp.values()
+        )
+        return distinct >= expected

@@ -7,6 +7,7 @@ replaces the transport: our msgspec wire on ZMQ for control, our NIXL engine for
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -14,12 +15,14 @@ from collections import defaultdict
 from typing import Any
 
 import numpy as np
+import requests
 import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import AckTarget, CommonKVManager, CommonKVReceiver
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import NetworkAddress
 
+from sgl_nixl_plugin import metrics
 from sgl_nixl_plugin.adapter.decode import DecodeListener
 from sgl_nixl_plugin.adapter.decode_staging import DecodeStaging
 from sgl_nixl_plugin.adapter.memory import compat_of, kv_mem_kind, memory_from_kv_args, to_regions
@@ -31,6 +34,7 @@ from sgl_nixl_plugin.registry.spec import TransferEvent
 from sgl_nixl_plugin.settings import Settings
 from sgl_nixl_plugin.wire.codec import Codec, index_specs
 from sgl_nixl_plugin.wire.compat import compat_hash
+from sgl_nixl_plugin.wire.http_auth import sign
 from sgl_nixl_plugin.wire.messages import (
     AbortAck,
     Message,
@@ -57,6 +61,7 @@ class NixlPluginKVManager(CommonKVManager):
     ) -> None:
         self.settings = Settings.from_env()
         self.codec = Codec(secret=self.settings.secret)
+        self.codec.rejections.listeners.append(metrics.rejected)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if self.defer_decode_allocation:
             raise ValueError(
@@ -138,6 +143,30 @@ class NixlPluginKVManager(CommonKVManager):
             status=msg.status,
             prefill_rank=msg.prefill_rank,
             failure_reason=msg.reason or None,
+        )
+
+    def _register_topology_row(self, url: str, payload: dict) -> None:
+        """PUT /route like SGLang does, signed when a shared secret is configured."""
+        body = json.dumps(payload).encode()
+        path = "/" + url.split("/", 3)[3]
+        headers = {"Content-Type": "application/json", **sign(self.settings.secret, "PUT", path, body)}
+        delay = 0.5
+        for attempt in range(1, 6):
+            try:
+                r = requests.put(url, data=body, headers=headers, timeout=5)
+                if r.status_code == 200:
+                    return
+                problem = f"HTTP {r.status_code}: {r.text[:300]}"
+                if r.status_code in (400, 401, 413):
+                    break  # retrying a refused registration can't help
+            except requests.RequestException as exc:
+                problem = str(exc)
+            logger.warning("sgl-nixl: bootstrap registration attempt %d/5 failed: %s", attempt, problem)
+            time.sleep(delay)
+            delay = min(delay * 2, 8.0)
+        logger.error(
+            "sgl-nixl: this prefill rank could not register with the bootstrap server at %s: %s",
+            url, problem,
         )
 
     # -- sending control messages -------------------------------------------------------
@@ -300,13 +329,18 @@ class NixlPluginKVManager(CommonKVManager):
                 self.conclude_failure(bootstrap_room=room, failure_reason=reason)
 
     def observe(self, room: int, prog: RoomProgress, ok: bool, reason: str | None = None) -> None:
+        """Report a finished room to metrics and to deployers' observer hooks."""
+        seconds = time.perf_counter() - prog.started
+        metrics.transfer_done(ok, prog.path, prog.nbytes, seconds, prog.descriptors, reason)
+        if self.staging is not None and hasattr(self.staging, "free"):
+            metrics.staging_in_use("prefill", self.staging.num_slots - self.staging.free)
         registry.notify_transfer(
             TransferEvent(
                 room=room,
                 peer=",".join(sorted(prog.peers)),
                 ok=ok,
                 bytes=prog.nbytes,
-                duration_s=time.perf_counter() - prog.started,
+                duration_s=seconds,
                 descriptors=prog.descriptors,
                 path=prog.path,
                 reason=reason,

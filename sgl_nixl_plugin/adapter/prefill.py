@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zmq
 
+from sgl_nixl_plugin import metrics
 from sgl_nixl_plugin.adapter.liveness import PeerWatch, drain
 from sgl_nixl_plugin.adapter.memory import kv_geometry, remote_memory
 from sgl_nixl_plugin.engine.agent import TransferError, Xfer
@@ -605,6 +606,8 @@ class TransferWorker:
                     remaining.append(x)
                     continue
                 settled += 1
+                if state == "DONE" and (t := self.mgr.engine.agent.telemetry(x)):
+                    metrics.telemetry(t)
                 self.mgr.engine.release(x)
                 self.mgr.transfer_settled(room)
                 if state == "ERR" and not prog.failed:

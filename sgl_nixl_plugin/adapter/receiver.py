@@ -7,12 +7,17 @@ transfer request so an abort can never overtake the request it cancels.
 
 from __future__ import annotations
 
+import logging
 import time
 
+import requests
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
+from sgl_nixl_plugin.wire.http_auth import sign
 from sgl_nixl_plugin.wire.messages import Abort
+
+logger = logging.getLogger(__name__)
 
 
 class NixlPluginKVReceiver(CommonKVReceiver):
@@ -32,6 +37,33 @@ class NixlPluginKVReceiver(CommonKVReceiver):
                 mgr.update_status(self.bootstrap_room, KVPoll.Failed)
                 self.conclude_state = KVPoll.Failed
                 return
+
+    def _get_bootstrap_info_from_server(
+        self, prefill_dp_rank: int, prefill_cp_rank: int, target_tp_rank: int, target_pp_rank: int
+    ) -> dict | None:
+        """GET a prefill rank's address, signed when a shared secret is configured."""
+        path = (
+            f"/route?prefill_dp_rank={prefill_dp_rank}&prefill_cp_rank={prefill_cp_rank}"
+            f"&target_tp_rank={target_tp_rank}&target_pp_rank={target_pp_rank}"
+        )
+        try:
+            r = requests.get(
+                f"http://{self.bootstrap_addr}{path}",
+                headers=sign(self.kv_mgr.settings.secret, "GET", path),
+                timeout=5,
+            )
+        except requests.RequestException as exc:
+            logger.error("sgl-nixl: bootstrap %s unreachable: %s", self.bootstrap_addr, exc)
+            return None
+        if r.status_code != 200:
+            logger.error(
+                "sgl-nixl: bootstrap %s refused the rank query (HTTP %d): %s",
+                self.bootstrap_addr, r.status_code, r.text[:300],
+            )
+            return None
+        info = r.json()
+        info["pp_rank"] = int(target_pp_rank)
+        return info
 
     def _clear(self) -> None:
         mgr = self.kv_mgr
