@@ -49,6 +49,7 @@ class Settings:
     secret: bytes | None = None
     workers: int = 2
     nixl_threads: int = 8
+    progress_thread: bool = False
     transfer_path: str = "auto"
     staging_bytes: int = 256 << 20
     staging_piece_bytes: int = 16 << 20
@@ -71,6 +72,7 @@ class Settings:
             secret=read_secret(),
             workers=max(1, _int("SGL_NIXL_PLUGIN_WORKERS", 2)),
             nixl_threads=max(0, _int("SGL_NIXL_PLUGIN_NIXL_THREADS", 8)),
+            progress_thread=os.environ.get("SGL_NIXL_PLUGIN_PROGRESS_THREAD", "0") == "1",
             transfer_path=path,
             staging_bytes=_int("SGL_NIXL_PLUGIN_STAGING_BYTES", 256 << 20),
             staging_piece_bytes=_int("SGL_NIXL_PLUGIN_STAGING_PIECE_BYTES", 16 << 20),

@@ -9,6 +9,7 @@ import json
 import pytest
 from helpers import subproc
 from helpers.scenarios import ScenarioResult, ScenarioRunner
+from helpers.subproc import SCENARIO_TEST_TIMEOUT_S
 
 from sgl_nixl_plugin.bridge.kv_class_hook import extend_transfer_backend, make_get_kv_class_hook
 from sgl_nixl_plugin.registry.builtin import NIXL_BACKEND
@@ -39,7 +40,7 @@ def _assert_in_tree_nixl(row: dict) -> None:
     assert row["kvargs"] == KVARGS
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SCENARIO_TEST_TIMEOUT_S)
 @pytest.mark.scenarios("plugin", "baseline")
 def test_plugin_routes_nixl_and_leaves_other_backends_alone(scenarios: ScenarioRunner) -> None:
     plugin = _ok(scenarios.result("plugin"))
@@ -63,7 +64,7 @@ def test_plugin_routes_nixl_and_leaves_other_backends_alone(scenarios: ScenarioR
             assert plugin["kv"][value] == row, value
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SCENARIO_TEST_TIMEOUT_S)
 @pytest.mark.scenarios("baseline")
 def test_sglang_plugins_whitelist_keeps_in_tree_nixl(scenarios: ScenarioRunner) -> None:
     baseline = _ok(scenarios.result("baseline"))
@@ -73,7 +74,7 @@ def test_sglang_plugins_whitelist_keeps_in_tree_nixl(scenarios: ScenarioRunner) 
     assert baseline["parse"]["nixl_test"] == "rejected"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SCENARIO_TEST_TIMEOUT_S)
 @pytest.mark.scenarios("thirdparty", "baseline")
 def test_third_party_backend_gets_cli_choice_enum_member_and_classes(
     scenarios: ScenarioRunner,
@@ -102,7 +103,7 @@ def test_third_party_backend_gets_cli_choice_enum_member_and_classes(
         assert data["kv"][value] == baseline["kv"][value], value
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(int(subproc.TIMEOUT_S) + 30)
 def test_importing_the_entry_point_is_cheap() -> None:
     code = (
         "import json, sys\n"

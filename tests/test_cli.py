@@ -10,6 +10,7 @@ import types
 import pytest
 from helpers import subproc
 from helpers.scenarios import OLD_SGLANG, ScenarioRunner
+from helpers.subproc import SCENARIO_TEST_TIMEOUT_S
 
 from sgl_nixl_plugin import __version__, compat
 from sgl_nixl_plugin.cli import doctor, main
@@ -24,7 +25,7 @@ def _row(text: str, name: str) -> str:
     raise AssertionError(f"no row {name!r} in:\n{text}")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SCENARIO_TEST_TIMEOUT_S)
 @pytest.mark.scenarios("doctor")
 def test_doctor_table_on_this_machine(scenarios: ScenarioRunner) -> None:
     result = scenarios.result("doctor")
@@ -38,7 +39,7 @@ def test_doctor_table_on_this_machine(scenarios: ScenarioRunner) -> None:
     assert out.strip().splitlines()[-1].startswith("OK:")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SCENARIO_TEST_TIMEOUT_S)
 @pytest.mark.scenarios("doctor_json")
 def test_doctor_json_parses(scenarios: ScenarioRunner) -> None:
     result = scenarios.result("doctor_json")
@@ -53,7 +54,7 @@ def test_doctor_json_parses(scenarios: ScenarioRunner) -> None:
     assert {c["status"] for c in report["checks"]} <= {"ok", "info", "warn"}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SCENARIO_TEST_TIMEOUT_S)
 @pytest.mark.scenarios("doctor_old_sglang")
 def test_doctor_fails_on_unsupported_sglang_and_says_why(scenarios: ScenarioRunner) -> None:
     result = scenarios.result("doctor_old_sglang")
@@ -66,7 +67,7 @@ def test_doctor_fails_on_unsupported_sglang_and_says_why(scenarios: ScenarioRunn
     assert "pip install 'sgl-nixl-plugin[sglang]'" in verdict
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(int(subproc.TIMEOUT_S) + 30)
 def test_python_m_version() -> None:
     proc = subproc.run(subproc.python_argv("-m", "sgl_nixl_plugin", "version"))
     assert proc.returncode == 0, proc.stderr
@@ -145,7 +146,13 @@ def test_plain_renderer_aligns_columns() -> None:
 
 @pytest.mark.parametrize(
     ("plugins", "discoverable"),
-    [(None, True), ("", True), ("other, sgl_nixl_plugin", True), ("other_plugin", False), (",", False)],
+    [
+        (None, True),
+        ("", True),
+        ("other, sgl_nixl_plugin", True),
+        ("other_plugin", False),
+        (",", False),
+    ],
 )
 def test_discovery_applies_sglang_plugins_rule(
     monkeypatch: pytest.MonkeyPatch, plugins: str | None, discoverable: bool

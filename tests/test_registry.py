@@ -18,7 +18,12 @@ from sgl_nixl_plugin.registry.hookspecs import PROJECT_NAME
 pytestmark = pytest.mark.usefixtures("fresh_registry")
 
 EVENT = TransferEvent(
-    room=7, peer="10.0.0.2:1234", ok=True, bytes=4096, duration_s=0.001, descriptors=2,
+    room=7,
+    peer="10.0.0.2:1234",
+    ok=True,
+    bytes=4096,
+    duration_s=0.001,
+    descriptors=2,
     path="direct",
 )
 
@@ -31,8 +36,12 @@ def _errors(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
 
 def _spec(name: str, module: str = "collections") -> BackendSpec:
     return BackendSpec(
-        name=name, classes_module=module, manager="OrderedDict", sender="Counter",
-        receiver="deque", bootstrap_server="ChainMap",
+        name=name,
+        classes_module=module,
+        manager="OrderedDict",
+        sender="Counter",
+        receiver="deque",
+        bootstrap_server="ChainMap",
     )
 
 
@@ -86,11 +95,15 @@ def test_broken_third_party_plugin_is_skipped_with_one_error(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     thirdparty.write_dist(
-        tmp_path, "broken-backend", {"broken": "broken_backend_pkg"},
+        tmp_path,
+        "broken-backend",
+        {"broken": "broken_backend_pkg"},
         {"broken_backend_pkg/__init__.py": "raise RuntimeError('boom at import')\n"},
     )
     thirdparty.write_dist(
-        tmp_path, "good-backend", {"good": "good_backend_pkg"},
+        tmp_path,
+        "good-backend",
+        {"good": "good_backend_pkg"},
         {
             "good_backend_pkg/__init__.py": """
                 from sgl_nixl_plugin.registry import BackendSpec, hookimpl
@@ -192,7 +205,9 @@ def test_agent_config_hooks_edit_in_place_and_failures_are_isolated(
     pm.register(Broken(), name="broken_cfg")
     config = manager.apply_agent_config(AgentConfig())
     assert (config.backend, config.backend_params, config.num_threads) == (
-        "LIBFABRIC", {"fi_provider": "efa"}, 4,
+        "LIBFABRIC",
+        {"fi_provider": "efa"},
+        4,
     )
     (error,) = _errors(caplog)
     assert "broken_cfg" in error.getMessage()

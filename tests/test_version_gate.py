@@ -7,6 +7,7 @@ import importlib.metadata
 
 import pytest
 from helpers.scenarios import OLD_SGLANG, ScenarioResult, ScenarioRunner
+from helpers.subproc import SCENARIO_TEST_TIMEOUT_S
 
 from sgl_nixl_plugin import __version__, compat
 from sgl_nixl_plugin.bridge import version_gate
@@ -20,7 +21,8 @@ def _our_errors(stderr: str) -> list[str]:
     return [
         line
         for line in stderr.splitlines()
-        if line.startswith("ERROR sgl_nixl_plugin") or f"sgl-nixl-plugin {__version__} is NOT" in line
+        if line.startswith("ERROR sgl_nixl_plugin")
+        or f"sgl-nixl-plugin {__version__} is NOT" in line
     ]
 
 
@@ -83,7 +85,7 @@ class _Dest(enum.Enum):
 def test_render_signature_ignores_annotations_and_marks_kinds() -> None:
     import inspect
 
-    def f(a: int, /, b: "str", *, c: object = None, d: _Dest = _Dest.DEVICE, **kw: int) -> None:
+    def f(a: int, /, b: str, *, c: object = None, d: _Dest = _Dest.DEVICE, **kw: int) -> None:
         pass
 
     def g(self, *args, e=[1], f=True):  # noqa: B006 - the default's value is what we render
@@ -126,7 +128,7 @@ def test_gate_message_is_one_line_with_every_problem(monkeypatch: pytest.MonkeyP
 # ------------------------------------------------------------------ real SGLang, subprocess
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SCENARIO_TEST_TIMEOUT_S)
 @pytest.mark.scenarios("old_sglang")
 def test_unsupported_sglang_logs_one_error_and_keeps_in_tree_nixl(
     scenarios: ScenarioRunner,
@@ -138,7 +140,7 @@ def test_unsupported_sglang_logs_one_error_and_keeps_in_tree_nixl(
     assert "pip install 'sglang==0.5.23'" in line
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SCENARIO_TEST_TIMEOUT_S)
 @pytest.mark.scenarios("old_sglang_strict")
 def test_strict_mode_fails_the_process_at_start_up(scenarios: ScenarioRunner) -> None:
     result = scenarios.result("old_sglang_strict")
@@ -149,7 +151,7 @@ def test_strict_mode_fails_the_process_at_start_up(scenarios: ScenarioRunner) ->
     assert compat.SUPPORTED_SGLANG in result.stderr
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SCENARIO_TEST_TIMEOUT_S)
 @pytest.mark.scenarios("changed_signature")
 def test_changed_signature_logs_one_error_and_registers_nothing(
     scenarios: ScenarioRunner,

@@ -36,6 +36,7 @@ class DecodeListener:
         self.watch = PeerWatch(mgr._zmq_ctx, s.liveness_interval_s, s.liveness_misses)
         self._stop = threading.Event()
         self._next_check = 0.0
+        self._busy = False
         self.thread = threading.Thread(target=self._run, name="sgl-nixl-decode-rx", daemon=True)
 
     def start(self) -> None:
@@ -51,7 +52,11 @@ class DecodeListener:
         tick_ms = max(10, int(self.watch.interval * 1000 / 2))
         while not self._stop.is_set():
             try:
-                for ready, _ in poller.poll(tick_ms):
+                # While data is due, wake every millisecond to progress the NIXL agent (a
+                # two-sided transport such as UCX over TCP needs the target to progress);
+                # when nothing is pending, sleep in poll: an idle decode costs no CPU.
+                busy = self._busy
+                for ready, _ in poller.poll(1 if busy else tick_ms):
                     if ready is sock:
                         for frames in drain(sock):
                             decoded = self.mgr.codec.decode(frames)
@@ -61,6 +66,8 @@ class DecodeListener:
                         for ip, port in self.watch.on_monitor(ready):
                             self._lost((ip, port), f"prefill rank {ip}:{port} closed its connection "
                                        "(the process exited or restarted)")
+                if busy:
+                    self.mgr.engine.agent.progress()
                 self._check_liveness()
             except zmq.ZMQError as exc:
                 if self._stop.is_set():
@@ -108,7 +115,9 @@ class DecodeListener:
             return
         self._next_check = now + self.watch.interval / 4
         mgr = self.mgr
-        self.watch.sync(mgr.pending_endpoints())
+        pending = mgr.pending_endpoints()
+        self._busy = bool(pending)
+        self.watch.sync(pending)
         self.watch.ping(
             lambda seq: mgr.codec.encode(Ping(mgr.engine.name, mgr.local_ip, mgr.rank_port, seq))
         )

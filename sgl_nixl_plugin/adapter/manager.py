@@ -78,7 +78,7 @@ class NixlPluginKVManager(CommonKVManager):
         config = registry.resolve_agent_config()
         if config.num_threads == 0 and disaggregation_mode == DisaggregationMode.PREFILL:
             config.num_threads = self.settings.nixl_threads  # the initiator drives the WRITEs
-        self.engine = TransferEngine(config, memory)
+        self.engine = TransferEngine(config, memory, progress_thread=self.settings.progress_thread)
         self._engine_lock = threading.Lock()
         self.compat = compat_of(args, bool(is_mla_backend), self.attn_tp_size)
         self.compat_hash = compat_hash(self.compat)

@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,6 +31,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _rank_process(spec: RankSpec, out: Any, done: Any) -> None:
+    """Process target: run the rank, flush its result, then exit at once. A backend may leave
+    non-daemon threads behind (SGLang's in-tree NIXL prefill starts its bootstrap thread
+    without ``daemon=True``), which would keep the process alive until ``_reap`` gives up
+    after 15 s and terminates it."""
+    rank_main(spec, out, done)
+    out.close()
+    out.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @dataclass
@@ -124,7 +138,7 @@ class Session:
     def start(self) -> Session:
         for spec in self.specs:
             p = self.ctx.Process(
-                target=rank_main, args=(spec, self.out, self.done), daemon=True,
+                target=_rank_process, args=(spec, self.out, self.done), daemon=True,
                 name=f"{spec.role}{spec.instance}.{spec.tp_rank}",
             )
             p.start()

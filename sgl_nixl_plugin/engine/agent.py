@@ -45,13 +45,18 @@ class Xfer:
 class Agent:
     """A NIXL agent with one backend, and an inventory of everything it created."""
 
-    def __init__(self, config: AgentConfig, name: str | None = None) -> None:
+    def __init__(
+        self, config: AgentConfig, name: str | None = None, progress_thread: bool = False
+    ) -> None:
+        """``progress_thread``: NIXL's own progress thread polls without pause (a full core
+        per process, idle or not), so by default we progress the agent ourselves, only
+        while transfers are pending (see ``progress``)."""
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.name = name or f"sgl-nixl-{uuid.uuid4().hex[:16]}"
         self.config = config
         conf = nixl_agent_config(
-            enable_prog_thread=True,
+            enable_prog_thread=progress_thread,
             backends=[],
             capture_telemetry=config.capture_telemetry,
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
@@ -74,6 +79,7 @@ class Agent:
         self._dlists: set[Any] = set()
         self._xfers: set[Any] = set()
         self._peers: set[str] = set()
+        self._pending_notifs: dict[str, list[bytes]] = {}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -248,7 +254,22 @@ class Agent:
 
     # -- notifications ------------------------------------------------------------------
     def notifications(self) -> dict[str, list[bytes]]:
-        return self._nixl.get_new_notifs()
+        new = self._nixl.get_new_notifs()
+        if self._pending_notifs:
+            held, self._pending_notifs = self._pending_notifs, {}
+            for peer, msgs in new.items():
+                held.setdefault(peer, []).extend(msgs)
+            return held
+        return new
+
+    def progress(self) -> None:
+        """Drive the backend once (a target needs this for two-sided transports such as
+        UCX over TCP). Notifications that arrive are kept for ``notifications``."""
+        try:
+            for peer, msgs in self._nixl.get_new_notifs().items():
+                self._pending_notifs.setdefault(peer, []).extend(msgs)
+        except Exception as exc:
+            logger.debug("sgl-nixl: progress: %s", exc)
 
     # -- teardown -----------------------------------------------------------------------
     def close(self) -> None:

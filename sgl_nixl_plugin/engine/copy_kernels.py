@@ -276,7 +276,7 @@ class _DeviceIndex:
                 u = u.to(self.device, non_blocking=True)
             if u.dtype not in (torch.int64, torch.int32):
                 u = u.long()
-            return u
+            return u.contiguous()  # the kernel reads units[j] at units_ptr + j
         u = _as_units(u)
         with self._lock:
             for i, (host, dev, ev) in enumerate(self._units):

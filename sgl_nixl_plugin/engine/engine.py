@@ -73,8 +73,11 @@ class PeerLink:
 class TransferEngine:
     """Owns the agent and the local memory; builds links and posts WRITEs."""
 
-    def __init__(self, config: AgentConfig, memory: Memory, name: str | None = None) -> None:
-        self.agent = Agent(config, name)
+    def __init__(
+        self, config: AgentConfig, memory: Memory, name: str | None = None,
+        progress_thread: bool = False,
+    ) -> None:
+        self.agent = Agent(config, name, progress_thread)
         self.memory = memory
         self._local_lists: dict[tuple[str, Geometry], _Side] = {}
         self._lock = threading.Lock()

@@ -10,7 +10,7 @@ from helpers.scenarios import ScenarioRunner
 
 __all__ = ["pytest_collection_modifyitems", "pytest_configure", "scenarios", "fresh_registry"]
 
-_WANTED = pytest.StashKey[set]()
+_WANTED = pytest.StashKey[list[str]]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -21,11 +21,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Remember which scenarios the selected tests need, so they can start together."""
-    wanted: set[str] = set()
+    wanted: dict[str, None] = {}  # ordered: scenarios start in the order tests need them
     for item in items:
         for marker in item.iter_markers("scenarios"):
-            wanted.update(marker.args)
-    config.stash[_WANTED] = wanted
+            wanted.update(dict.fromkeys(marker.args))
+    config.stash[_WANTED] = list(wanted)
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +35,7 @@ def scenarios(
     """Runs the scenarios declared by ``@pytest.mark.scenarios`` (all at once, in parallel)."""
     runner = ScenarioRunner(
         workdir=tmp_path_factory.mktemp("scenarios"),
-        wanted=set(request.config.stash.get(_WANTED, set())),
+        wanted=list(request.config.stash.get(_WANTED, [])),
     )
     yield runner
     runner.close()

@@ -74,9 +74,7 @@ def catalogue(workdir: Path) -> dict[str, Scenario]:
             probe("--parse", "nixl_test", "--parse", "nixl", "--extra-backend", "nixl_test"),
             third_party_env,
         ),
-        "old_sglang": Scenario(
-            probe(), env(SGL_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE=OLD_SGLANG)
-        ),
+        "old_sglang": Scenario(probe(), env(SGL_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE=OLD_SGLANG)),
         "old_sglang_strict": Scenario(
             probe(),
             env(SGL_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE=OLD_SGLANG, SGL_NIXL_PLUGIN_STRICT="1"),
@@ -108,13 +106,13 @@ class ScenarioRunner:
     """Starts scenarios on a small thread pool (one subprocess per thread)."""
 
     workdir: Path
-    wanted: set[str] = field(default_factory=set)
+    wanted: list[str] = field(default_factory=list)
     _pool: ThreadPoolExecutor | None = None
     _futures: dict[str, Future[ScenarioResult]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._catalogue = catalogue(self.workdir)
-        unknown = self.wanted - set(self._catalogue)
+        unknown = set(self.wanted) - set(self._catalogue)
         if unknown:
             raise KeyError(f"unknown scenarios: {sorted(unknown)}")
 
@@ -127,7 +125,7 @@ class ScenarioRunner:
 
     def result(self, name: str) -> ScenarioResult:
         """Wait for (starting if needed, together with every wanted one) scenario ``name``."""
-        self._start(sorted(self.wanted | {name}))
+        self._start([name, *self.wanted])
         return self._futures[name].result(timeout=subproc.TIMEOUT_S * 4)
 
     def close(self) -> None:

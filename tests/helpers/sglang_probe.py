@@ -38,9 +38,7 @@ def _parse(name: str) -> str:
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     try:
-        ns = parser.parse_args(
-            ["--model-path", "dummy", "--disaggregation-transfer-backend", name]
-        )
+        ns = parser.parse_args(["--model-path", "dummy", "--disaggregation-transfer-backend", name])
     except SystemExit:
         return "rejected"
     return f"accepted:{ns.disaggregation_transfer_backend}"
@@ -68,17 +66,14 @@ def main() -> None:
     from sglang.srt.disaggregation import utils
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    try:
-        from sgl_nixl_plugin.bridge import entry
+    from sgl_nixl_plugin.bridge import entry
 
+    state = entry._state  # None: SGLang never called our register()
+    idempotent = None
+    if state is not None:  # call it again: nothing new may be queued
         hooks_before = sum(len(v) for v in HookRegistry._hooks.values())
         entry.register()
         idempotent = sum(len(v) for v in HookRegistry._hooks.values()) == hooks_before
-        state = entry._state
-    except SystemExit:
-        raise
-    except Exception as exc:  # report, do not hide
-        idempotent, state = False, f"error: {exc!r}"
 
     out: dict[str, Any] = {
         "plugin_state": state,

@@ -9,7 +9,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 120
+#: Multiplies every subprocess (and scenario-test) timeout; raise it on an overloaded machine,
+#: where one SGLang import alone can take minutes (e.g. SGL_NIXL_PLUGIN_TEST_TIMEOUT_SCALE=3).
+TIMEOUT_SCALE = max(1.0, float(os.environ.get("SGL_NIXL_PLUGIN_TEST_TIMEOUT_SCALE", "1") or 1))
+TIMEOUT_S = 120 * TIMEOUT_SCALE
+#: pytest-timeout for a test that waits on scenarios queued behind others on a small pool.
+SCENARIO_TEST_TIMEOUT_S = int(TIMEOUT_S * 5)
 
 #: Variables that change the plugin's or SGLang's plugin behaviour: scrubbed so a developer's
 #: shell cannot change test outcomes; tests set what they need explicitly.

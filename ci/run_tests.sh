@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Set up the environment (ci/setup_env.sh), lint, and run the whole test suite.
+# Extra arguments go to pytest, e.g. `bash ci/run_tests.sh -k bridge`.
+# Lint and tests both run; the exit code is non-zero if either failed.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# shellcheck source=ci/setup_env.sh
+source ci/setup_env.sh
+
+lint_rc=0
+ruff check . || lint_rc=$?
+
+test_rc=0
+python -m pytest -q -p no:cacheprovider "$@" || test_rc=$?
+if [[ $test_rc -eq 5 ]]; then
+    echo "run_tests: pytest collected no tests; that is a failure" >&2
+fi
+
+if [[ $lint_rc -ne 0 ]]; then
+    echo "run_tests: ruff check failed (exit $lint_rc)" >&2
+fi
+if [[ $test_rc -ne 0 ]]; then
+    exit "$test_rc"
+fi
+exit "$lint_rc"

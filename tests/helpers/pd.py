@@ -1,0 +1,182 @@
+"""Run PD sessions (``sgl_nixl_plugin.bench``) from tests and check what they report.
+
+``run_pd`` starts a session with a hermetic environment (the rank processes are spawned,
+so they inherit ``os.environ``: variables that change which plugins SGLang loads are
+removed for the duration of the session). ``session_problems`` lists every way a session
+fell short of "every request arrived byte-exact and every per-room table drained", so a
+test can ``assert not problems`` and still print everything that went wrong at once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from helpers.subproc import _SCRUBBED
+from sgl_nixl_plugin.bench.session import SessionConfig, SessionResult, run_session
+from sgl_nixl_plugin.bench.workload import PRESETS, Workload
+
+#: Session deadline; ``Session.wait`` allows another 60 s, which stays under the tests'
+#: 180 s pytest timeout so a stuck session fails with its own message, not a pytest kill.
+SESSION_TIMEOUT_S = 110.0
+
+#: Extra environment of every rank. These tests check the data path, not failure detection
+#: (other tests cover liveness), and CI hosts are often overloaded: a prefill can advertise
+#: itself on the bootstrap server seconds before its control thread answers pings (see
+#: NixlPluginKVManager.__init__), which a loaded host stretches past the 5 s default.
+#: A long liveness deadline keeps that from failing rooms here; a dead rank still shows up
+#: as a failed or timed-out room.
+E2E_ENV = {"SGL_NIXL_PLUGIN_LIVENESS_INTERVAL": "1.0", "SGL_NIXL_PLUGIN_LIVENESS_MISSES": "30"}
+
+
+@contextmanager
+def hermetic_environ() -> Iterator[None]:
+    """Remove plugin-affecting variables from ``os.environ`` while ranks are spawned."""
+    saved = {k: os.environ.pop(k) for k in _SCRUBBED if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def workload(
+    shape: str,
+    page_size: int,
+    requests: int = 14,
+    *,
+    min_tokens: int = 16,
+    max_tokens: int = 160,
+    concurrency: int = 6,
+    chunks: tuple[int, ...] = (1, 1, 3, 3),
+    fragmentation: str = "mixed",
+    state: bool = True,
+) -> Workload:
+    """A small workload. The default ``chunks`` cycles with period 4 while ``mixed``
+    alternates with period 2, so every (chunks, contiguous) combination occurs."""
+    return Workload(
+        PRESETS[shape],
+        page_size=page_size,
+        requests=requests,
+        min_tokens=min_tokens,
+        max_tokens=max_tokens,
+        concurrency=concurrency,
+        chunks=chunks,
+        fragmentation=fragmentation,
+        state=state,
+    )
+
+
+def run_pd(w: Workload, **kwargs: Any) -> SessionResult:
+    kwargs.setdefault("timeout_s", SESSION_TIMEOUT_S)
+    kwargs["env"] = {**E2E_ENV, **kwargs.get("env", {})}
+    with hermetic_environ():
+        return run_session(SessionConfig(w, **kwargs))
+
+
+def expected_bytes(cfg: SessionConfig, pages: int) -> int:
+    """KV bytes a room lands summed over the decode TP ranks (MLA is replicated per rank)."""
+    w = cfg.workload
+    return pages * w.page_size * w.shape.token_bytes(cfg.decode_tp) * cfg.decode_tp
+
+
+def room_tables(tables: dict[str, int]) -> dict[str, int]:
+    """The per-room tables of a rank (``nixl.*`` counts engine resources instead)."""
+    return {k: v for k, v in tables.items() if not k.startswith("nixl.")}
+
+
+def leaked_tables(res: SessionResult) -> dict[str, dict[str, int]]:
+    """``{"prefill0.1": {"table": size}}`` for every rank whose per-room tables are not empty
+    or that still holds live NIXL transfer handles."""
+    out: dict[str, dict[str, int]] = {}
+    for role, ranks in (("prefill", res.prefill), ("decode", res.decode)):
+        for (inst, rank), r in sorted(ranks.items()):
+            tables = r.get("tables", {})
+            bad = {k: v for k, v in room_tables(tables).items() if v}
+            if tables.get("nixl.xfer"):
+                bad["nixl.xfer"] = tables["nixl.xfer"]
+            if bad:
+                out[f"{role}{inst}.{rank}"] = bad
+    return out
+
+
+def session_problems(res: SessionResult, *, check_tables: bool = True) -> list[str]:
+    """Everything that is not "all requests ok, byte-exact, nothing left behind"."""
+    cfg = res.config
+    w = cfg.workload
+    reqs = w.make_requests()
+    problems: list[str] = [f"rank error: {e}" for e in res.errors]
+
+    ranks = {("prefill", i, r) for i in range(cfg.n_prefill) for r in range(cfg.prefill_tp)}
+    ranks |= {("decode", i, r) for i in range(cfg.n_decode) for r in range(cfg.decode_tp)}
+    got = {("prefill", *k) for k in res.prefill} | {("decode", *k) for k in res.decode}
+    problems += [f"no result from {k}" for k in sorted(ranks - got)]
+
+    # Which backend really ran: only our manager exposes its NIXL engine (``nixl.*``).
+    for key, r in {**res.prefill, **res.decode}.items():
+        has_engine = any(k.startswith("nixl.") for k in r.get("tables", {}))
+        if has_engine != (cfg.backend == "plugin"):
+            problems.append(f"rank {key} did not run the {cfg.backend} backend: {r.get('tables')}")
+
+    for role, ranks_ in (("prefill", res.prefill), ("decode", res.decode)):
+        for (inst, rank), r in sorted(ranks_.items()):
+            if r.get("timed_out"):
+                problems.append(f"{role}{inst}.{rank}: {len(r['timed_out'])} rooms not finished")
+
+    # Prefill: each rank of instance i sends rooms i, i + n_prefill, ...
+    for (inst, rank), r in sorted(res.prefill.items()):
+        mine = {q.room for i, q in enumerate(reqs) if i % cfg.n_prefill == inst}
+        results = r.get("results", {})
+        if set(results) != mine:
+            problems.append(f"prefill{inst}.{rank}: {len(results)} results for {len(mine)} rooms")
+        bad = {room: x.get("reason") for room, x in results.items() if not x["ok"]}
+        if bad:
+            problems.append(
+                f"prefill{inst}.{rank}: {len(bad)} rooms failed, e.g. {next(iter(bad.values()))}"
+            )
+
+    # Decode: every room, merged over the decode TP ranks of its instance.
+    dr = res.decode_results()
+    missing = [q.room for q in reqs if q.room not in dr]
+    if missing:
+        problems.append(f"decode: no result for {len(missing)} of {len(reqs)} rooms")
+    for q in reqs:
+        d = dr.get(q.room)
+        if d is None:
+            continue
+        if not d["ok"]:
+            problems.append(f"room {q.room}: failed on decode: {d.get('reason')!r}")
+            continue
+        for k in ("bad_pages", "bad_aux") + (("bad_state",) if q.with_state else ()):
+            if k not in d:
+                problems.append(f"room {q.room}: decode did not verify ({k} missing)")
+            elif d[k]:
+                problems.append(
+                    f"room {q.room}: {k}={d[k]} (tokens={q.tokens}, chunks={q.chunks}, contiguous={q.contiguous})"
+                )
+        want = expected_bytes(cfg, q.pages(w.page_size))
+        if not d.get("bytes") or d["bytes"] != want:
+            problems.append(f"room {q.room}: bytes={d.get('bytes')} expected {want}")
+
+    if check_tables:
+        problems += [
+            f"{rank}: per-room state left behind: {t}" for rank, t in leaked_tables(res).items()
+        ]
+    return problems
+
+
+def describe(res: SessionResult) -> str:
+    """One line about the session for failure messages and logs."""
+    c = res.config
+    w = c.workload
+    return (
+        f"{c.backend} {w.shape.name} TP {c.prefill_tp}->{c.decode_tp} "
+        f"P{c.n_prefill}xD{c.n_decode} page_size={w.page_size} requests={w.requests} "
+        f"wall={res.wall_s:.1f}s"
+    )
+
+
+def assert_clean(res: SessionResult, *, check_tables: bool = True) -> None:
+    problems = session_problems(res, check_tables=check_tables)
+    assert not problems, describe(res) + "\n" + "\n".join(problems[:40])

@@ -1,0 +1,81 @@
+"""End-to-end PD transfers through our plugin, in local processes over real NIXL (UCX, DRAM).
+
+Each session starts a bootstrap server, every prefill rank and every decode rank in its
+own process; the classes come only from SGLang's ``load_plugins()`` + ``get_kv_class``.
+Prefill fills pages with a (room, region, page, token, head, word) pattern and decode
+checks every byte of every page, aux row and state row (``sgl_nixl_plugin.bench``).
+
+A session costs ~10-25 s on a 2-core machine (each rank imports SGLang), so the matrix is
+combined: one session per (TP pair x shape), page size alternating so every TP pair and
+every shape sees page size 1 and 16; inside a session requests cycle through chunks 1 and 3
+and contiguous and random pages (all four combinations).
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers.pd import assert_clean, run_pd, workload
+
+# (prefill_tp, decode_tp, shape, page_size)
+MATRIX = [
+    (1, 1, "tiny", 16),
+    (1, 1, "tiny-mla", 1),
+    (2, 1, "tiny", 1),
+    (2, 1, "tiny-mla", 16),
+    (1, 2, "tiny", 16),
+    (1, 2, "tiny-mla", 1),
+]
+
+
+def test_matrix_covers_the_grid() -> None:
+    """The combined matrix still covers every TP pair x page size and shape x page size."""
+    assert {(p, d, ps) for p, d, _, ps in MATRIX} == {
+        (p, d, ps) for p, d in ((1, 1), (2, 1), (1, 2)) for ps in (1, 16)
+    }
+    assert {(s, ps) for _, _, s, ps in MATRIX} == {
+        (s, ps) for s in ("tiny", "tiny-mla") for ps in (1, 16)
+    }
+    reqs = workload("tiny", 16).make_requests()
+    assert {(r.chunks, r.contiguous) for r in reqs} == {
+        (c, k) for c in (1, 3) for k in (False, True)
+    }
+    assert all(r.with_state for r in reqs)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "shape", "page_size"),
+    MATRIX,
+    ids=[f"tp{p}to{d}-{s}-ps{ps}" for p, d, s, ps in MATRIX],
+)
+def test_pd_matrix(prefill_tp: int, decode_tp: int, shape: str, page_size: int) -> None:
+    w = workload(shape, page_size, requests=14)
+    res = run_pd(w, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    assert_clean(res)
+
+
+@pytest.mark.timeout(180)
+def test_pd_200_concurrent_requests() -> None:
+    w = workload(
+        "tiny", 16, requests=200, min_tokens=16, max_tokens=64, concurrency=200
+    )
+    res = run_pd(w)
+    assert_clean(res)
+    assert len(res.decode_results()) == 200
+
+
+@pytest.mark.timeout(180)
+def test_pd_one_prefill_two_decode_instances() -> None:
+    w = workload("tiny", 16, requests=16)
+    res = run_pd(w, n_decode=2)
+    assert_clean(res)
+    # both decode instances really took part
+    assert {k[0] for k, r in res.decode.items() if r["results"]} == {0, 1}
+
+
+@pytest.mark.timeout(180)
+def test_pd_two_prefill_instances_one_decode() -> None:
+    w = workload("tiny", 16, requests=16)
+    res = run_pd(w, n_prefill=2)
+    assert_clean(res)
+    assert {k[0] for k, r in res.prefill.items() if r["results"]} == {0, 1}
