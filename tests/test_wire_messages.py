@@ -39,6 +39,8 @@ from sgl_nixl_plugin.wire.messages import (
     IndexSpec,
     Message,
     PeerRegistration,
+    PieceDone,
+    PieceReady,
     Ping,
     Pong,
     Region,
@@ -117,6 +119,9 @@ registration_replies = st.builds(
     prefill_rank=nonneg,
     accepted=st.booleans(),
     reason=reasons,
+    ip=names,
+    port=ports,
+    retry=st.booleans(),
 )
 transfer_statuses = st.builds(
     TransferStatus,
@@ -128,7 +133,14 @@ transfer_statuses = st.builds(
 aborts = st.builds(Abort, room=rooms, ip=names, port=ports, generation=opt_int)
 abort_acks = st.builds(AbortAck, room=rooms, prefill_rank=nonneg, generation=opt_int)
 pings = st.builds(Ping, sender=names, ip=names, port=ports, seq=nonneg)
-pongs = st.builds(Pong, sender=names, seq=nonneg)
+pongs = st.builds(Pong, sender=names, seq=nonneg, ip=names, port=ports)
+piece_readies = st.builds(
+    PieceReady,
+    room=rooms, prefill_rank=nonneg, ip=names, port=ports, slot=nonneg, r0=nonneg, r1=nonneg,
+    j0=nonneg, j1=nonneg, page_start=nonneg, page_count=nonneg, unit_len=positive,
+    units_per_item=positive, dst_stride=positive, dst_offset=nonneg,
+)
+piece_dones = st.builds(PieceDone, room=rooms, agent_name=names, slot=nonneg)
 
 
 @st.composite
@@ -165,6 +177,7 @@ def transfer_requests(draw) -> tuple[TransferRequest, list[np.ndarray]]:
         decode_prefix_len=draw(nonneg),
         is_dummy=draw(st.booleans()),
         indices=[IndexSpec(role, len(a)) for role, a in zip(roles, arrays, strict=True)],
+        staging_slots=draw(st.lists(nonneg, max_size=4)),
     )
     return msg, arrays
 
@@ -179,6 +192,8 @@ messages_with_arrays = st.one_of(
         abort_acks,
         pings,
         pongs,
+        piece_readies,
+        piece_dones,
     ).map(lambda m: (m, [])),
 )
 
@@ -193,6 +208,8 @@ def test_strategies_cover_the_whole_union():
         AbortAck,
         Ping,
         Pong,
+        PieceReady,
+        PieceDone,
     }
     assert covered == set(MESSAGE_TYPES)
 

@@ -117,7 +117,7 @@ class DecodeListener:
         mgr = self.mgr
         pending = mgr.pending_endpoints()
         self._busy = bool(pending)
-        self.watch.sync(pending)
+        self.watch.sync(mgr.known_endpoints(), pending)
         self.watch.ping(
             lambda seq: mgr.codec.encode(Ping(mgr.engine.name, mgr.local_ip, mgr.rank_port, seq))
         )

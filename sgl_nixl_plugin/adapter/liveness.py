@@ -31,6 +31,7 @@ class _Watched:
     connected: bool = False
     last_reply: float = field(default_factory=time.monotonic)
     last_ping: float = 0.0
+    pinged: bool = True
 
 
 class PeerWatch:
@@ -43,10 +44,22 @@ class PeerWatch:
         self._last_check = time.monotonic()
         self.poller = zmq.Poller()
 
-    def sync(self, endpoints: set[Endpoint]) -> None:
-        """Watch exactly ``endpoints`` (open new watches, close finished ones)."""
+    def sync(self, endpoints: set[Endpoint], pinged: set[Endpoint] | None = None) -> None:
+        """Watch exactly ``endpoints``; ping (and judge silence of) those in ``pinged``.
+
+        A watched connection costs nothing while idle, and its loss is reported at once;
+        pings are only for peers that owe us something.
+        """
+        pinged = endpoints if pinged is None else pinged
+        endpoints = endpoints | pinged
         for ep in set(self._peers) - endpoints:
             self._close(ep)
+        now = time.monotonic()
+        for ep, w in self._peers.items():
+            due = ep in pinged
+            if due and not w.pinged:
+                w.last_reply = now  # silence is only counted from when we start asking
+            w.pinged = due
         for ep in endpoints - set(self._peers):
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
@@ -56,7 +69,7 @@ class PeerWatch:
             if ":" in ep[0]:
                 sock.setsockopt(zmq.IPV6, 1)
             sock.connect(f"tcp://{host}:{ep[1]}")
-            self._peers[ep] = _Watched(sock, monitor)
+            self._peers[ep] = _Watched(sock, monitor, pinged=ep in pinged)
             self._by_monitor[monitor] = ep
             self.poller.register(monitor, zmq.POLLIN)
 
@@ -99,7 +112,7 @@ class PeerWatch:
         """Send a ping to every watched peer that is due one."""
         now = time.monotonic()
         for w in self._peers.values():
-            if now - w.last_ping < self.interval:
+            if not w.pinged or now - w.last_ping < self.interval:
                 continue
             w.seq += 1
             w.last_ping = now
@@ -128,7 +141,7 @@ class PeerWatch:
         return [
             (ep, now - w.last_reply)
             for ep, w in self._peers.items()
-            if now - w.last_reply > self.deadline
+            if w.pinged and now - w.last_reply > self.deadline
         ]
 
     def forget(self, endpoint: Endpoint) -> None:

@@ -355,6 +355,12 @@ class NixlPluginKVManager(CommonKVManager):
                 out |= eps
         return out
 
+    def known_endpoints(self) -> set[Endpoint]:
+        """Every prefill rank this decode has a cached route to (watched for loss)."""
+        with self.connection_lock:
+            pools = list(self.connection_pool.values())
+        return {(i["rank_ip"], int(i["rank_port"])) for infos in pools for i in infos}
+
     def fail_endpoint(self, endpoint: Endpoint, reason: str) -> None:
         """Fail every unfinished room served by ``endpoint`` and forget its cached route."""
         failed = 0
@@ -366,7 +372,8 @@ class NixlPluginKVManager(CommonKVManager):
                 self.update_status(room, KVPoll.Failed)
                 failed += 1
         self.forget_endpoint(endpoint)
-        logger.error("sgl-nixl: %s (%d requests failed)", reason, failed)
+        log = logger.error if failed else logger.info
+        log("sgl-nixl: %s (%d requests failed)", reason, failed)
 
     def forget_endpoint(self, endpoint: Endpoint) -> None:
         """Drop cached routes to ``endpoint`` so the next request asks the bootstrap again."""

@@ -235,6 +235,10 @@ def _tables(mgr: Any) -> dict[str, int]:
         "_deferred_abort_ack_tracker", "remote_free",
     ]
     out = {n: len(getattr(mgr, n)) for n in names if isinstance(getattr(mgr, n, None), dict)}
+    staging = getattr(mgr, "staging", None)  # decode staging keeps per-room slots and pages
+    for n in ("room_slots", "room_pages"):
+        if isinstance(getattr(staging, n, None), dict):
+            out[f"staging.{n}"] = len(getattr(staging, n))
     tracker = getattr(mgr, "addr_to_rooms_tracker", None)
     if tracker is not None:
         out["addr_to_rooms_tracker"] = sum(len(v) for v in tracker.values())
