@@ -63,9 +63,8 @@ class DecodeListener:
                             if decoded is not None:
                                 self._dispatch(decoded.msg)
                     elif self.watch.owns(ready):
-                        for ip, port in self.watch.on_monitor(ready):
-                            self._lost((ip, port), f"prefill rank {ip}:{port} closed its connection "
-                                       "(the process exited or restarted)")
+                        for (ip, port), why in self.watch.on_monitor(ready):
+                            self._lost((ip, port), f"prefill rank {ip}:{port} {why}")
                 if busy:
                     self.mgr.engine.agent.progress()
                 self._check_liveness()

@@ -64,7 +64,9 @@ class PeerWatch:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 16)
-            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            monitor = sock.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+            )
             host = f"[{ep[0]}]" if ":" in ep[0] else ep[0]
             if ":" in ep[0]:
                 sock.setsockopt(zmq.IPV6, 1)
@@ -88,10 +90,14 @@ class PeerWatch:
     def owns(self, sock: Any) -> bool:
         return sock in self._by_monitor
 
-    def on_monitor(self, monitor: Any) -> list[Endpoint]:
-        """Drain one monitor socket; returns endpoints that lost an established connection."""
+    def on_monitor(self, monitor: Any) -> list[tuple[Endpoint, str]]:
+        """Drain one monitor socket; returns ``(endpoint, why)`` for peers found gone.
+
+        Gone means an established connection was reset (the process died) or a connection
+        attempt was refused (nothing listens there any more: a stale route).
+        """
         ep = self._by_monitor.get(monitor)
-        lost: list[Endpoint] = []
+        lost: list[tuple[Endpoint, str]] = []
         while True:
             try:
                 event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
@@ -105,7 +111,9 @@ class PeerWatch:
                 w.last_reply = time.monotonic()
             elif event["event"] == zmq.EVENT_DISCONNECTED and w.connected:
                 w.connected = False
-                lost.append(ep)
+                lost.append((ep, "closed its connection (the process exited or restarted)"))
+            elif event["event"] == zmq.EVENT_CONNECT_RETRIED and not w.connected:
+                lost.append((ep, "refuses connections (nothing listens there: not running)"))
         return lost
 
     def ping(self, make_ping: Callable[[int], list[Any]]) -> None:

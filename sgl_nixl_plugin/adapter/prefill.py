@@ -165,8 +165,8 @@ class PrefillControl:
                         for frames in drain(sock):
                             self._receive(frames)
                     elif self.watch.owns(ready):
-                        for ep in self.watch.on_monitor(ready):
-                            self._lost(ep, "closed its connection (the process exited or restarted)", drop=True)
+                        for ep, why in self.watch.on_monitor(ready):
+                            self._lost(ep, why, drop=True)
                 self._check_liveness()
             except zmq.ZMQError as exc:
                 if self._stop.is_set():

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# VRAM end-to-end runs through SGLang's real classes on the lent GPU machine (prefill ranks on
+# GPU 0, decode ranks on GPU 1 when two GPUs are present). Not part of CI: CI has no GPU.
+#
+# The GPU image has torch, Triton, aiohttp, requests and pytest but neither NIXL nor SGLang, and
+# no package index. Carry two wheel folders (see docs/benchmarks.md): .whl (nixl-cu13, nixl,
+# pyzmq, msgspec) and .sglwhl (sglang for cp312 and the light packages its disaggregation
+# layer imports). Every step is bounded by `timeout`; outputs go to $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .sglwhl/*.whl || exit 1
+# Our package with its dist-info, so SGLang's load_plugins() discovers the entry point.
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/plugin . || exit 1
+export PYTHONPATH=/tmp/plugin:/tmp/site
+export PYTHONUNBUFFERED=1 SGLANG_HOST_IP=127.0.0.1
+NGPU=$(nvidia-smi -L | wc -l)
+DEC_GPU=$(( NGPU > 1 ? 1 : 0 ))
+nvidia-smi -L | tee "$OUT/e2e.txt"
+timeout 120 python3 -c "
+from sglang.srt.plugins import load_plugins; load_plugins()
+from sglang.srt.disaggregation import utils
+print('manager class:', utils.get_kv_class(utils.TransferBackend.NIXL, utils.KVClassType.MANAGER))
+" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/e2e.txt"
+run() {  # label, then bench args
+  local label=$1; shift
+  echo "=== $label" | tee -a "$OUT/e2e.txt"
+  timeout 240 python3 -m sgl_nixl_plugin bench --mem VRAM --quiet --prefill-gpu 0 --decode-gpu "$DEC_GPU" "$@" \
+    2>"$OUT/err_${label}.txt" | tee -a "$OUT/e2e.txt"
+  echo "exit $?" | tee -a "$OUT/e2e.txt"
+  grep -v -i "warn" "$OUT/err_${label}.txt" | grep -i "error\|Traceback" | head -5 | tee -a "$OUT/e2e.txt"
+}
+COMMON="--requests 24 --min-tokens 1024 --max-tokens 4096 --concurrency 8"
+run tp11_p16 $COMMON --page-size 16
+run tp11_p1 $COMMON --page-size 1
+run tp21_p16 $COMMON --page-size 16 --prefill-tp 2
+run tp12_p1 $COMMON --page-size 1 --decode-tp 2
+run tp11_mla --preset deepseek-mla --page-size 16 --requests 16 --min-tokens 1024 --max-tokens 4096
+export SGL_NIXL_PLUGIN_TRANSFER_PATH=direct
+run tp11_direct_p16 --requests 8 --min-tokens 1024 --max-tokens 4096 --page-size 16
+unset SGL_NIXL_PLUGIN_TRANSFER_PATH
+echo "=== prefill killed mid-transfer" | tee -a "$OUT/e2e.txt"
+timeout 200 python3 ci/kill_check.py --mem VRAM --decode-gpu "$DEC_GPU" 2>"$OUT/err_kill.txt" | tee -a "$OUT/e2e.txt"
