@@ -19,7 +19,12 @@ permutations). Per page size, every row moves the same requests' bytes in the sa
 Rows 4 and 5 are timed end to end on the sender: from the first gather until the
 receiver's last "scattered" reply. Rows 1-3 are timed on the sender until the copy or
 WRITE completes. The destination is checked byte-exact (first and last request by
-default) for rows 3-5, after the destination pages were cleared.
+default) for rows 3-5, after the destination pages were cleared. By default the rows
+take turns per request (``--order interleaved``), so that a shared machine's drift hits
+them alike; each row has one untimed warm-up. Ratios are medians over the requests both
+rows ran. The agents run without NIXL's progress thread (our default): the receiver
+progresses its agent every ``--recv-progress-us`` while waiting, as the adapter's decode
+listener does; without that, UCX wire-up over TCP never completes.
 
     python ci/bench_staging.py --mem VRAM --page-size 1 16 --json out.json
     python ci/bench_staging.py --mem DRAM --quick          # CPU smoke test
@@ -32,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
 import platform
@@ -132,11 +136,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slot-mib", type=int, default=None, help="default 32 (2 with --quick)")
     p.add_argument("--copier", choices=("auto", "triton", "torch", "numpy"), default="auto",
                    help="make_copier(prefer=...) for the ours row")
+    p.add_argument("--recv-progress-us", type=float, default=1000.0,
+                   help="receiver: progress its NIXL agent this often while waiting for a "
+                        "message (the adapter's decode listener uses 1 ms; 0 spins)")
     p.add_argument("--num-threads", type=int, default=0, help="NIXL backend threads (0: default)")
     p.add_argument(
         "--per-page-requests", type=int, default=0,
         help="requests for the per-page row (0: all, or 2 at page size 1 on VRAM)",
     )
+    p.add_argument("--order", choices=("interleaved", "rows"), default="interleaved",
+                   help="interleaved: per request every row in turn (drift hits all rows "
+                        "alike); rows: one row over all requests, then the next")
     p.add_argument("--verify", choices=("first-last", "all", "none"), default="first-last")
     p.add_argument("--row-budget-s", type=float, default=90.0,
                    help="a row starts no new request after this long")
@@ -471,14 +481,23 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
         }))
         dst = src = dst_dev = None
         idle = cfg["setup_timeout_s"] + cfg["req_timeout_s"] + 60
+        # The agent has no progress thread: like the adapter's decode listener, progress it
+        # between messages (a two-sided transport, e.g. UCX over TCP, needs the target to).
+        tick = cfg["recv_progress_us"] * 1e-6
+        progress = side.agent.progress if hasattr(side.agent, "progress") else (lambda: None)
         while True:
-            waited = 0.0
-            while not conn.poll(2.0):
-                waited += 2.0
-                if waited >= idle or not _parent_alive():
-                    print("[bench_staging] receiver: sender silent or parent gone, exiting",
-                          file=sys.stderr)
-                    return
+            last = time.perf_counter()
+            checked = last
+            while not conn.poll(tick):
+                progress()
+                now = time.perf_counter()
+                if now - checked > 2.0:
+                    checked = now
+                    if now - last >= idle or not _parent_alive():
+                        print("[bench_staging] receiver: sender silent or parent gone, exiting",
+                              file=sys.stderr)
+                        return
+            progress()
             msg = conn.recv()
             kind = msg[0]
             if kind == "stop":
@@ -572,6 +591,20 @@ class Sender:
         agent.release(xfer)
         if state != "DONE":
             raise RuntimeError(xfer.error or f"WRITE ended in state {state}")
+
+    def ping(self, n: int = 200) -> dict:
+        """Round trips of an empty control message (the receiver in its normal loop)."""
+        rtts = []
+        for _ in range(n):
+            self.seq += 1
+            t0 = time.perf_counter()
+            self.conn.send(("sync", self.seq))
+            msg = _recv(self.conn, self.cfg["req_timeout_s"], "synced")
+            rtts.append(time.perf_counter() - t0)
+            if msg[1] != self.seq:
+                raise RuntimeError("ping out of step")
+        a = np.asarray(rtts) * 1e6
+        return {"p50_us": float(np.percentile(a, 50)), "p99_us": float(np.percentile(a, 99))}
 
     def resync(self) -> None:
         """After a failed request: drain stray replies until the receiver echoes a token."""
@@ -673,7 +706,8 @@ class Sender:
                          s.bases, req["src"], Geometry.whole_items(), pieces, remote_free,
                          stream=s.stream)
         scattered = 0
-        step_s = scatter_s = 0.0
+        step_s = scatter_s = ctl_s = 0.0
+        sent_at: dict[int, float] = {}
         first_landed = None
         try:
             while scattered < len(pieces):
@@ -687,6 +721,7 @@ class Sender:
                     for piece, slot in landed:
                         conn.send(("piece", slot, piece.r0, piece.r1, piece.j0, piece.j1,
                                    piece.unit_len))
+                        sent_at[slot] = time.perf_counter()
                         busy = True
                     if job.error:
                         raise RuntimeError(f"StagedSend: {job.error}")
@@ -698,6 +733,7 @@ class Sender:
                         raise RuntimeError(f"unexpected reply {msg[0]!r}")
                     remote_free.append(msg[1])
                     scatter_s += msg[2]
+                    ctl_s += time.perf_counter() - sent_at.pop(msg[1]) - msg[2]
                     scattered += 1
                     busy = True
                 if time.perf_counter() > deadline:
@@ -709,19 +745,23 @@ class Sender:
                     conn.poll(self.idle_wait)  # DRAM: sleep until a reply (bounded), no spin
         except BaseException:
             job.abandon()
+            # ``finished`` is already true; WRITEs in flight still hold local slots until
+            # step() sees them end: drain them (bounded) so later requests keep every slot
+            end = time.perf_counter() + 10.0
+            while job.in_flight and time.perf_counter() < end:
+                job.step()
             raise
         dt = time.perf_counter() - t0
         return dt, {"pieces": len(pieces), "step_ms": step_s * 1e3,
                     "gather_call_ms": copier.seconds * 1e3, "scatter_ms": scatter_s * 1e3,
-                    "first_landed_ms": (first_landed or 0.0) * 1e3}
+                    "first_landed_ms": (first_landed or 0.0) * 1e3,
+                    "ctl_ms": ctl_s * 1e3}
 
     # driver --------------------------------------------------------------------------
-    def run_row(self, row: str, budget_s: float) -> dict:
-        reqs = self.requests
-        note = ""
-        verify_mode = self.cfg["verify"]
-        fn = getattr(self, f"row_{row}")
-        idx = list(range(len(reqs)))
+    def row_plan(self, row: str) -> tuple[list[int], str]:
+        """Which requests a row runs, and why not all of them."""
+        n = len(self.requests)
+        idx, note = list(range(n)), ""
         if row == "perpage":
             k = self.cfg["per_page_requests"]
             if k <= 0 and self.mem == "VRAM" and self.ps == 1:
@@ -729,59 +769,142 @@ class Sender:
                 note = "2 requests only (page size 1 on VRAM: seconds per request)"
             elif k > 0:
                 note = f"{k} requests (--per-page-requests)"
-            if 0 < k < len(reqs):
+            if 0 < k < n:
                 idx = sorted({*idx[: max(1, k - 1)], idx[-1]})[:k] if k > 1 else [0]
-        out: dict[str, Any] = {"label": LABELS[row], "req_idx": [], "times_ms": [], "bytes": [],
-                               "components": [], "verify": [], "note": note, "error": ""}
-        started = time.perf_counter()
+        return idx, note
+
+    def warm(self, row: str) -> None:
+        """Untimed: request 0 (only its first pages for the per-page row)."""
+        req = self.requests[0]
+        self.conn.send(("req", req["dst"], req["src"]))
+        if row == "perpage":
+            self.row_perpage(req, limit=min(req["pages"], 64))
+        else:
+            getattr(self, f"row_{row}")(req)
+
+    def one(self, row: str, i: int, out: dict) -> None:
+        """Request ``i`` through ``row``: clear and verify the destination when sampled."""
+        if not _parent_alive():
+            raise SystemExit("bench_staging: parent process gone")
+        reqs, mode = self.requests, self.cfg["verify"]
+        req = reqs[i]
+        check = row in VERIFIED_ROWS and (
+            mode == "all" or (mode == "first-last" and i in (0, len(reqs) - 1))
+        )
+        self.conn.send(("req", req["dst"], req["src"]))
+        if check:
+            self.conn.send(("clear",))
+            _recv(self.conn, self.cfg["req_timeout_s"], "ok")
+        dt, comp = getattr(self, f"row_{row}")(req)
+        out["req_idx"].append(i)
+        out["times_ms"].append(dt * 1e3)
+        out["bytes"].append(req["bytes"])
+        out["components"].append(comp)
+        if check:
+            self.conn.send(("verify",))
+            v = _recv(self.conn, self.cfg["req_timeout_s"] + 60, "verified")[1]
+            v["request"] = i
+            out["verify"].append(v)
+
+    def failed(self, out: dict) -> None:
+        """Record the error being handled, then resynchronise (``_Fatal`` if that fails)."""
+        exc = sys.exc_info()[1]
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["traceback"] = traceback.format_exc(limit=6)
         try:
-            # warm-up (untimed): request 0, only its first pages for the per-page row
-            self.conn.send(("req", reqs[0]["dst"], reqs[0]["src"]))
-            if row == "perpage":
-                fn(reqs[0], limit=min(reqs[0]["pages"], 64))
-            else:
-                fn(reqs[0])
-            for k_i, i in enumerate(idx):
-                if not _parent_alive():
-                    raise SystemExit("bench_staging: parent process gone")
-                if time.perf_counter() - started > budget_s and k_i > 0:
-                    out["note"] = (out["note"] + "; " if out["note"] else "") + (
-                        f"row budget {budget_s:.0f} s spent after {k_i} requests")
-                    break
-                req = reqs[i]
-                check = row in VERIFIED_ROWS and (
-                    verify_mode == "all"
-                    or (verify_mode == "first-last" and i in (0, len(reqs) - 1))
-                )
-                self.conn.send(("req", req["dst"], req["src"]))
-                if check:
-                    self.conn.send(("clear",))
-                    _recv(self.conn, self.cfg["req_timeout_s"], "ok")
-                dt, comp = fn(req)
-                out["req_idx"].append(i)
-                out["times_ms"].append(dt * 1e3)
-                out["bytes"].append(req["bytes"])
-                out["components"].append(comp)
-                if check:
-                    self.conn.send(("verify",))
-                    v = _recv(self.conn, self.cfg["req_timeout_s"] + 60, "verified")[1]
-                    v["request"] = i
-                    out["verify"].append(v)
-        except Exception as exc:
-            out["error"] = f"{type(exc).__name__}: {exc}"
-            out["traceback"] = traceback.format_exc(limit=6)
-            try:
-                self.resync()
-            except Exception as exc2:
-                out["error"] += f" (then: {exc2})"
-                raise _Fatal(out) from exc2
-        return out
+            self.resync()
+        except Exception as exc2:
+            out["error"] += f" (then: {exc2})"
+            raise _Fatal(out) from exc2
 
 
 class _Fatal(Exception):
     def __init__(self, partial: dict) -> None:
         super().__init__(partial.get("error", "fatal"))
         self.partial = partial
+
+
+def _drive(sender: Sender, cfg: dict, budget_s: float, report) -> dict:
+    """Run every row over the requests; returns {row: result}.
+
+    ``interleaved`` (default): per request, every row in turn, so that drift of a shared
+    machine hits all rows alike; ``rows``: one row over all requests, then the next.
+    A row starts no new request once it has spent its budget.
+    """
+    rows: dict[str, dict] = {}
+    plans: dict[str, list[int]] = {}
+    spent = dict.fromkeys(RUN_ORDER, 0.0)
+    active = dict.fromkeys(RUN_ORDER, True)
+    t0 = time.perf_counter()
+    for row in RUN_ORDER:
+        idx, note = sender.row_plan(row)
+        plans[row] = idx
+        rows[row] = {"label": LABELS[row], "req_idx": [], "times_ms": [], "bytes": [],
+                     "components": [], "verify": [], "note": note, "error": ""}
+    for row in RUN_ORDER:
+        try:
+            sender.warm(row)
+        except Exception:
+            try:
+                sender.failed(rows[row])
+            except _Fatal as fatal:
+                rows["__fatal__"] = fatal.partial["error"]
+                return rows
+            finally:
+                rows[row]["error"] = "warm-up: " + rows[row]["error"]
+            active[row] = False
+
+    def budget_of(row: str, rows_left: int) -> float:
+        if budget_s <= 0:
+            return cfg["row_budget_s"]
+        left = budget_s - (time.perf_counter() - t0)
+        return min(cfg["row_budget_s"], max(1.0, left / max(1, rows_left)))
+
+    def step(row: str, i: int, budget: float) -> bool:
+        out = rows[row]
+        if spent[row] > budget and out["times_ms"]:
+            out["note"] = (out["note"] + "; " if out["note"] else "") + (
+                f"row budget {budget:.0f} s spent after {len(out['times_ms'])} requests")
+            active[row] = False
+            return False
+        t = time.perf_counter()
+        try:
+            sender.one(row, i, out)
+        except Exception:
+            sender.failed(out)
+            active[row] = False
+        spent[row] += time.perf_counter() - t
+        return active[row]
+
+    try:
+        if cfg["order"] == "rows":
+            for n_left, row in zip(range(len(RUN_ORDER), 0, -1), RUN_ORDER, strict=True):
+                budget = budget_of(row, n_left)
+                for i in plans[row]:
+                    if not active[row] or not step(row, i, budget):
+                        break
+                report(row, rows[row], spent[row])
+        else:
+            # Each row is capped by --row-budget-s; the page size's budget is one deadline
+            # for all (cheap rows hardly spend anything, the per-page row gets the rest).
+            deadline = t0 + budget_s if budget_s > 0 else float("inf")
+            for i in range(len(sender.requests)):
+                if time.perf_counter() > deadline:
+                    for row in RUN_ORDER:
+                        if active[row] and rows[row]["times_ms"] and plans[row][-1] >= i:
+                            rows[row]["note"] = (rows[row]["note"] + "; " if rows[row]["note"]
+                                                 else "") + (f"time budget spent after "
+                                                             f"{len(rows[row]['times_ms'])} "
+                                                             "requests")
+                    break
+                for row in RUN_ORDER:
+                    if active[row] and i in plans[row]:
+                        step(row, i, cfg["row_budget_s"])
+            for row in RUN_ORDER:
+                report(row, rows[row], spent[row])
+    except _Fatal as fatal:  # the receiver is out of step: keep what was measured
+        rows["__fatal__"] = fatal.partial["error"]
+    return rows
 
 
 def sender_main(cfg: dict, page_size: int, conn, result_conn, budget_s: float) -> None:
@@ -798,25 +921,27 @@ def sender_main(cfg: dict, page_size: int, conn, result_conn, budget_s: float) -
             "requests": [{"i": r["i"], "tokens": r["tokens"], "pages": r["pages"],
                           "bytes": r["bytes"]} for r in sender.requests],
             "setup_s": time.perf_counter() - t_start,
+            "control_rtt": sender.ping(),
         })
         result_conn.send(("progress", f"page size {page_size}: setup done in "
                           f"{result['setup_s']:.1f} s ({sender.copier_name}); "
-                          f"link prepared in {sender.link_s * 1e3:.0f} ms"))
-        for n_left, row in zip(range(len(RUN_ORDER), 0, -1), RUN_ORDER, strict=True):
-            remaining = budget_s - (time.perf_counter() - t_start) if budget_s > 0 else math.inf
-            row_budget = min(cfg["row_budget_s"], max(1.0, remaining / n_left))
-            t_row = time.perf_counter()
-            try:
-                res = sender.run_row(row, row_budget)
-            except _Fatal as fatal:
-                result["rows"][row] = fatal.partial
-                result_conn.send(("progress", f"  {row}: FATAL {fatal.partial['error']}"))
-                break
-            result["rows"][row] = res
-            msg = f"  {row}: {len(res['times_ms'])} requests in {time.perf_counter() - t_row:.1f} s"
+                          f"link prepared in {sender.link_s * 1e3:.0f} ms; order {cfg['order']}; "
+                          f"control round trip p50 {result['control_rtt']['p50_us']:.0f} us, "
+                          f"p99 {result['control_rtt']['p99_us']:.0f} us"))
+
+        def report(row: str, res: dict, spent: float) -> None:
+            msg = f"  {row}: {len(res['times_ms'])} requests, {spent:.1f} s"
             if res["error"]:
                 msg += f"; ERROR {res['error']}"
             result_conn.send(("progress", msg))
+
+        left = budget_s - (time.perf_counter() - t_start) if budget_s > 0 else 0.0
+        rows = _drive(sender, cfg, max(1.0, left) if budget_s > 0 else 0.0, report)
+        fatal = rows.pop("__fatal__", None)
+        result["rows"] = rows
+        if fatal:
+            result["error"] = f"stopped early, the receiver is out of step: {fatal}"
+            result_conn.send(("progress", f"  FATAL {fatal}"))
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()
@@ -935,8 +1060,10 @@ def fmt_table(run: dict, cfg: dict) -> str:
             f"{g['regions']} regions x {g['item'] // 1024} KiB items, pool {g['pool_pages']} "
             f"pages/side; {where}"
         )
+        rtt = run.get("control_rtt") or {}
         lines.append(f"   copier: {run.get('copier')}; staging {cfg['staging_mib']} MiB in "
-                     f"{cfg['slot_mib']} MiB slots")
+                     f"{cfg['slot_mib']} MiB slots; control (Pipe) round trip p50 "
+                     f"{rtt.get('p50_us', float('nan')):.0f} us; order {cfg['order']}")
     else:
         lines.append(f"== page size {ps}")
     if run.get("error"):
@@ -963,7 +1090,8 @@ def fmt_table(run: dict, cfg: dict) -> str:
             gather_what = "gather calls" if cfg["mem"] == "DRAM" else "gather launches"
             notes.append(f"{int(med['pieces'])} pieces; p50 sums: step {med['step_ms']:.2f} "
                          f"({gather_what} {med['gather_call_ms']:.2f}), receiver scatter "
-                         f"{med['scatter_ms']:.2f}; first piece landed "
+                         f"{med['scatter_ms']:.2f}, control round trips beyond the scatter "
+                         f"{med['ctl_ms']:.2f}; first piece landed "
                          f"{med['first_landed_ms']:.2f} ms")
         if row.get("note"):
             notes.append(row["note"])

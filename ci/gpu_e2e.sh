@@ -9,7 +9,14 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .sglwhl/*.whl || exit 1
+# The two folders together exceed one call's 64 MiB, so they may come in two calls to the same
+# (still warm) machine: install whichever is here into the same target.
+for d in .whl .sglwhl; do
+  if ls $d/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site $d/*.whl || exit 1
+  fi
+done
+python3 -c "import nixl, sglang" 2>/dev/null || { echo "nixl or sglang missing in /tmp/site"; exit 1; }
 # Our package with its dist-info, so SGLang's load_plugins() discovers the entry point.
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/plugin . || exit 1
 export PYTHONPATH=/tmp/plugin:/tmp/site

@@ -39,6 +39,7 @@ step() {
 
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 note "installed: $(ls .whl | tr '\n' ' ')"
+note "tree: $(git rev-parse --short HEAD 2>/dev/null || echo 'no git') $(git status --short 2>/dev/null | wc -l) changed files; $(date -u)"
 
 nvidia-smi 2>&1 | tee "$OUT/nvidia-smi.txt"
 nvidia-smi topo -m 2>&1 | tee -a "$OUT/nvidia-smi.txt"
@@ -106,7 +107,7 @@ staging() {
     # the benchmark's own budget ends before `timeout`: it stops rows early and writes JSON
     step "$name" "$limit" "$PY" ci/bench_staging.py --mem VRAM --page-size 1 16 \
         --requests 50 --min-tokens 4096 --max-tokens 8192 --staging-mib 512 --slot-mib 32 \
-        --row-budget-s 20 --req-timeout-s 30 --setup-timeout-s 90 \
+        --row-budget-s 40 --req-timeout-s 30 --setup-timeout-s 90 \
         --budget-s $((limit - 25)) "$@"
     RUNS=$((RUNS - 1))
 }

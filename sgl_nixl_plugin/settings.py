@@ -51,8 +51,8 @@ class Settings:
     nixl_threads: int = 8
     progress_thread: bool = False
     transfer_path: str = "auto"
-    staging_bytes: int = 256 << 20
-    staging_piece_bytes: int = 16 << 20
+    staging_bytes: int = -1  # -1: by memory kind (see ``staging_sizes``); 0: staging off
+    staging_piece_bytes: int = -1
     kv_mem_kind: str = ""  # "" = what SGLang says, else DRAM/VRAM
     liveness_interval_s: float = 1.0
     liveness_misses: int = 5
@@ -74,10 +74,27 @@ class Settings:
             nixl_threads=max(0, _int("SGL_NIXL_PLUGIN_NIXL_THREADS", 8)),
             progress_thread=os.environ.get("SGL_NIXL_PLUGIN_PROGRESS_THREAD", "0") == "1",
             transfer_path=path,
-            staging_bytes=_int("SGL_NIXL_PLUGIN_STAGING_BYTES", 256 << 20),
-            staging_piece_bytes=_int("SGL_NIXL_PLUGIN_STAGING_PIECE_BYTES", 16 << 20),
+            staging_bytes=_int("SGL_NIXL_PLUGIN_STAGING_BYTES", -1),
+            staging_piece_bytes=_int("SGL_NIXL_PLUGIN_STAGING_PIECE_BYTES", -1),
             kv_mem_kind=kind,
             liveness_interval_s=_float("SGL_NIXL_PLUGIN_LIVENESS_INTERVAL", 1.0),
             liveness_misses=max(1, _int("SGL_NIXL_PLUGIN_LIVENESS_MISSES", 5)),
             abort_drain_timeout_s=_float("SGL_NIXL_PLUGIN_ABORT_DRAIN_TIMEOUT", 5.0),
         )
+
+
+#: Default staging buffer and slot sizes per memory kind: big slots on GPUs, where the
+#: cost of a piece is its fixed host overhead, modest ones in host memory.
+STAGING_DEFAULTS = {"VRAM": (1 << 30, 128 << 20), "DRAM": (128 << 20, 16 << 20)}
+
+
+def staging_sizes(settings: Settings, mem_kind: str) -> tuple[int, int]:
+    """(buffer bytes, slot bytes) for this memory kind; (0, 0) when staging is off."""
+    if settings.transfer_path == "direct" or settings.staging_bytes == 0:
+        return 0, 0
+    total, slot = STAGING_DEFAULTS[mem_kind]
+    if settings.staging_bytes > 0:
+        total = settings.staging_bytes
+    if settings.staging_piece_bytes > 0:
+        slot = settings.staging_piece_bytes
+    return total, min(slot, total)

@@ -38,12 +38,13 @@ def test_intree_backend_meets_the_harness_contract(
     assert_clean(ours)  # includes: every per-room table of every rank is 0, nixl.xfer == 0
 
     # Known in-tree fault (SGLang 0.5.23, nixl/conn.py transfer_worker): after the last
-    # chunk concludes Success, the worker drops the room's ``_staging_outstanding`` entry
-    # only if ``check_status(room)`` still reads Success; when the sender's ``clear()``
-    # (scheduler thread) has already popped ``request_status``, the entry (value 0) stays
-    # forever -- one per successful room that lost the race. It is a race, so how many
-    # rooms leak varies from run to run and may be none; we only assert it when it shows.
-    # Our plugin leaves no per-room state on any rank (asserted by assert_clean above).
+    # chunk it decrements ``_staging_outstanding[room]`` to 0 and concludes Success, then
+    # drops the entry only if ``check_status(room)`` still reads Success. The scheduler
+    # thread can poll Success in between and call ``sender.clear()``, which pops
+    # ``request_status`` (not ``_staging_outstanding``); ``check_status`` then falls back to
+    # WaitingForInput and the 0 entry stays forever -- one per successful room that lost the
+    # race. How many rooms leak varies from run to run (seen: 1-9 of 12) and may be none, so
+    # it is asserted only when it shows. Our plugin leaves no per-room state on any rank.
     leaked = sum(
         room_tables(r["tables"]).get("_staging_outstanding", 0) for r in intree.prefill.values()
     )

@@ -44,6 +44,8 @@ class RoutePut(msgspec.Struct):
     rank_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     page_size: Size
     kv_cache_dtype: str | None = None
+    # Optional keys SGLang's handler converts with int(): typed, so a bad one is a 400.
+    prefill_http_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
 
 
 class RegisterDpRank(msgspec.Struct):
@@ -99,14 +101,19 @@ class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
             if isinstance(data, RoutePut) and (problem := self._inconsistent(data)):
                 return self._refuse(request, 400, "inconsistent", problem)
         try:
-            return await handler(request)
-        except web.HTTPException:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            if 400 <= exc.status < 500:  # unknown route or wrong method: count the probe too
+                metrics.rejected(f"http_{exc.status}")
             raise
         except (KeyError, ValueError, TypeError) as exc:
             return self._refuse(request, 400, "malformed", f"invalid request: {exc!r}")
         except Exception:
             logger.exception("sgl-nixl bootstrap: error serving %s %s", request.method, request.path)
             return web.Response(status=500, text="internal error (see the server log)")
+        if 400 <= response.status < 500:  # SGLang's own refusals (missing inputs, unknown rank)
+            metrics.rejected(f"http_{response.status}")
+        return response
 
     def _refuse(self, request: web.Request, status: int, reason: str, text: str) -> web.Response:
         metrics.rejected(f"http_{reason}")
@@ -118,16 +125,26 @@ class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
 
     def _inconsistent(self, d: RoutePut) -> str:
         """A rank whose topology contradicts the ranks already registered."""
+        dp_size = d.attn_dp_size if d.system_dp_size == 1 else d.system_dp_size
         checks = {
             "attn_tp_size": (self.attn_tp_size, d.attn_tp_size),
             "attn_cp_size": (self.attn_cp_size, d.attn_cp_size),
             "pp_size": (self.pp_size, d.pp_size),
             "page_size": (self.page_size, d.page_size),
+            "dp_size": (self.dp_size, dp_size),
         }
         bad = [f"{k}={new} (registered: {old})" for k, (old, new) in checks.items()
                if old is not None and old != new]
-        if d.attn_tp_rank >= d.attn_tp_size or d.pp_rank >= d.pp_size or d.attn_cp_rank >= d.attn_cp_size:
-            bad.append("a rank is not smaller than its size")
+        # Readiness counts distinct ranks: one outside its size would fake a missing rank.
+        ranks = {
+            "attn_tp_rank": (d.attn_tp_rank, d.attn_tp_size),
+            "attn_cp_rank": (d.attn_cp_rank, d.attn_cp_size),
+            "attn_dp_rank": (d.attn_dp_rank, d.attn_dp_size),
+            "system_dp_rank": (d.system_dp_rank, d.system_dp_size),
+            "pp_rank": (d.pp_rank, d.pp_size),
+        }
+        bad += [f"{k}={rank} is not smaller than its size {size}"
+                for k, (rank, size) in ranks.items() if rank >= size]
         return ("topology differs from the ranks already registered: " + ", ".join(bad)) if bad else ""
 
     def _is_ready(self) -> bool:

@@ -55,6 +55,10 @@ class DecodeListener:
                 # While data is due, wake every millisecond to progress the NIXL agent (a
                 # two-sided transport such as UCX over TCP needs the target to progress);
                 # when nothing is pending, sleep in poll: an idle decode costs no CPU.
+                # Data is also due while aborted rooms await their ABORT_ACK (the prefill
+                # acks once its WRITEs drained, which needs our progress), and an idle tick
+                # still progresses once: WRITEs for rooms that already ended here (a healed
+                # partition) then drain instead of holding the prefill's handles forever.
                 busy = self._busy
                 for ready, _ in poller.poll(1 if busy else tick_ms):
                     if ready is sock:
@@ -65,8 +69,7 @@ class DecodeListener:
                     elif self.watch.owns(ready):
                         for (ip, port), why in self.watch.on_monitor(ready):
                             self._lost((ip, port), f"prefill rank {ip}:{port} {why}")
-                if busy:
-                    self.mgr.engine.agent.progress()
+                self.mgr.engine.agent.progress()
                 self._check_liveness()
             except zmq.ZMQError as exc:
                 if self._stop.is_set():
@@ -97,7 +100,12 @@ class DecodeListener:
             self.watch.replied((msg.ip, msg.port))
         elif isinstance(msg, AbortAck):
             if mgr.enable_deferred_decode_kv_release and msg.generation is not None:
-                mgr.note_abort_ack(msg.room, msg.prefill_rank, msg.generation)
+                if mgr.staging is not None and mgr.staging.is_staged(msg.room):
+                    # Behind the room's pieces already queued for scatter: the pages are
+                    # only released once nothing more will be written into them.
+                    mgr.staging.submit(msg)
+                else:
+                    mgr.note_abort_ack(msg.room, msg.prefill_rank, msg.generation)
         elif isinstance(msg, RegistrationReply):
             if msg.retry:
                 mgr.forget_endpoint((msg.ip, msg.port))  # it lost our registration: send it again
@@ -115,7 +123,7 @@ class DecodeListener:
         self._next_check = now + self.watch.interval / 4
         mgr = self.mgr
         pending = mgr.pending_endpoints()
-        self._busy = bool(pending)
+        self._busy = bool(pending) or bool(mgr._deferred_abort_ack_tracker)
         self.watch.sync(mgr.known_endpoints(), pending)
         self.watch.ping(
             lambda seq: mgr.codec.encode(Ping(mgr.engine.name, mgr.local_ip, mgr.rank_port, seq))

@@ -18,7 +18,14 @@ import numpy as np
 
 from sgl_nixl_plugin.engine.layout import Geometry
 from sgl_nixl_plugin.engine.staging import StagingBuffer, unit_indices_of
-from sgl_nixl_plugin.wire.messages import PieceDone, PieceReady, Region, StagingArea, TransferStatus
+from sgl_nixl_plugin.wire.messages import (
+    AbortAck,
+    PieceDone,
+    PieceReady,
+    Region,
+    StagingArea,
+    TransferStatus,
+)
 
 if TYPE_CHECKING:
     from sgl_nixl_plugin.adapter.manager import NixlPluginKVManager
@@ -31,9 +38,8 @@ SLOTS_PER_ROOM = 2  # double buffering: piece i lands while piece i-1 is scatter
 class DecodeStaging:
     def __init__(self, mgr: NixlPluginKVManager, device: int) -> None:
         self.mgr = mgr
-        s = mgr.settings
         self.buffer = StagingBuffer(
-            mgr.engine.agent, s.staging_bytes, s.staging_piece_bytes, mgr.kv_mem_kind, device
+            mgr.engine.agent, mgr.staging_bytes, mgr.slot_bytes, mgr.kv_mem_kind, device
         )
         self.device = device
         self.bases = np.asarray(mgr.engine.memory.kv.ptrs, dtype=np.uint64)
@@ -96,7 +102,7 @@ class DecodeStaging:
             return bool(self.room_slots.get(room))
 
     # -- the scatter thread -------------------------------------------------------------
-    def submit(self, msg: PieceReady | TransferStatus) -> None:
+    def submit(self, msg: PieceReady | TransferStatus | AbortAck) -> None:
         self._queue.put(msg)
 
     def _run(self) -> None:
@@ -107,6 +113,8 @@ class DecodeStaging:
             try:
                 if isinstance(msg, PieceReady):
                     self._scatter(msg)
+                elif isinstance(msg, AbortAck):
+                    self.mgr.note_abort_ack(msg.room, msg.prefill_rank, msg.generation)
                 else:
                     self.mgr.apply_status(msg)
             except Exception:
@@ -120,8 +128,9 @@ class DecodeStaging:
         problem = self._validate(m, slots, pages)
         if problem:
             mgr.codec.rejections.reject("bad_piece", f"room {m.room}: {problem}", f"{m.ip}:{m.port}")
-            mgr.record_failure(m.room, f"staging piece rejected: {problem}")
-            mgr.update_status(m.room, 0)
+            if m.room in mgr.request_status:  # a room we don't hold must not gain a record
+                mgr.record_failure(m.room, f"staging piece rejected: {problem}")
+                mgr.update_status(m.room, 0)
             return
         geo = Geometry(m.unit_len, m.units_per_item, m.unit_len, m.dst_stride, 0, m.dst_offset)
         units = unit_indices_of(pages[m.page_start : m.page_start + m.page_count], geo)

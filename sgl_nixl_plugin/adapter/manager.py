@@ -31,7 +31,7 @@ from sgl_nixl_plugin.engine.engine import PeerLink, TransferEngine
 from sgl_nixl_plugin.engine.staging import StagingBuffer
 from sgl_nixl_plugin.registry import manager as registry
 from sgl_nixl_plugin.registry.spec import TransferEvent
-from sgl_nixl_plugin.settings import Settings
+from sgl_nixl_plugin.settings import Settings, staging_sizes
 from sgl_nixl_plugin.wire.codec import Codec, index_specs
 from sgl_nixl_plugin.wire.compat import compat_hash
 from sgl_nixl_plugin.wire.http_auth import sign
@@ -87,7 +87,8 @@ class NixlPluginKVManager(CommonKVManager):
         self.copier: Any = None
         self.copy_stream: Any = None
         device = int(getattr(args, "gpu_id", 0) or 0) if self.kv_mem_kind == "VRAM" else 0
-        staging_on = self.settings.transfer_path != "direct" and self.settings.staging_bytes > 0
+        self.staging_bytes, self.slot_bytes = staging_sizes(self.settings, self.kv_mem_kind)
+        staging_on = self.staging_bytes > 0
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.room_seen: dict[int, float] = {}
             self.remote_free: dict[int, dict[str, Any]] = {}
@@ -118,8 +119,7 @@ class NixlPluginKVManager(CommonKVManager):
 
             self.copier = make_copier(self.kv_mem_kind, device)
             self.staging = StagingBuffer(
-                self.engine.agent, self.settings.staging_bytes,
-                self.settings.staging_piece_bytes, self.kv_mem_kind, device,
+                self.engine.agent, self.staging_bytes, self.slot_bytes, self.kv_mem_kind, device
             )
             if self.kv_mem_kind == "VRAM":
                 import torch

@@ -236,6 +236,10 @@ class PrefillControl:
                 return  # the room already ended: its last credits are not needed
             if msg.slot not in free.granted:
                 self.mgr.codec.rejections.reject("bad_credit", f"room {msg.room} slot {msg.slot}")
+            elif msg.slot in free:  # a repeated credit would let two pieces share the slot
+                self.mgr.codec.rejections.reject(
+                    "bad_credit", f"room {msg.room} slot {msg.slot} is already free"
+                )
             else:
                 free.append(msg.slot)
         elif isinstance(msg, Abort):
@@ -243,6 +247,8 @@ class PrefillControl:
         elif isinstance(msg, Ping):
             mgr = self.mgr
             mgr.send_to((msg.ip, msg.port), Pong(mgr.engine.name, msg.seq, mgr.local_ip, mgr.rank_port))
+        elif isinstance(msg, Pong):
+            self.watch.replied((msg.ip, msg.port))  # a decode we ping for its pending rooms
         else:
             self.mgr.codec.rejections.reject("unexpected", type(msg).__name__)
 
@@ -447,6 +453,17 @@ class TransferWorker:
 
     # -- submission ----------------------------------------------------------------------
     def _submit(self, chunk: Chunk) -> None:
+        # Count this submission as outstanding *before* reading the room's status: an abort
+        # marks the room Failed, then acks once nothing is outstanding, so either it sees
+        # this reservation (and its ack waits for the WRITEs posted here) or we see Failed.
+        mgr, room = self.mgr, chunk.room
+        mgr._staging_outstanding[room] += 1
+        try:
+            self._submit_reserved(chunk)
+        finally:
+            mgr.transfer_settled(room)
+
+    def _submit_reserved(self, chunk: Chunk) -> None:
         mgr, room = self.mgr, chunk.room
         prog = self.rooms.setdefault(room, RoomProgress())
         prog.last_seen = prog.last_seen or chunk.is_last
@@ -555,7 +572,20 @@ class TransferWorker:
         return StagedJob(send, info, peer, chunk.index_slice.start, n)
 
     def _step_jobs(self, room: int, prog: RoomProgress) -> int:
-        """Advance the room's staged jobs; tell decodes about landed pieces."""
+        """Advance the room's staged jobs; tell decodes about landed pieces.
+
+        Staged WRITEs count as outstanding like direct ones (an abort is acked only once
+        they ended), reserved before the status check as in ``_submit``; a landed piece
+        settles only after its PieceReady went out, so the ack can't overtake it.
+        """
+        mgr = self.mgr
+        mgr._staging_outstanding[room] += 1
+        try:
+            return self._step_jobs_reserved(room, prog)
+        finally:
+            mgr.transfer_settled(room)
+
+    def _step_jobs_reserved(self, room: int, prog: RoomProgress) -> int:
         mgr, settled = self.mgr, 0
         if not prog.failed and mgr.request_status.get(room) in (None, FAILED):
             prog.failed = True  # aborted or cleared: stop sending, let WRITEs drain
@@ -565,7 +595,11 @@ class TransferWorker:
         for job in prog.jobs:
             if job.send.finished and not job.send.in_flight:
                 continue
-            for piece, slot in job.send.step():
+            posted, ended = job.send.posted, job.send.settled
+            landed = job.send.step()
+            if job.send.posted > posted:
+                mgr._staging_outstanding[room] += job.send.posted - posted
+            for piece, slot in landed:
                 settled += 1
                 geo = job.send.geometry
                 mgr.send_to(
@@ -579,6 +613,8 @@ class TransferWorker:
                         dst_stride=geo.dst_stride or piece.unit_len, dst_offset=geo.dst_offset,
                     ),
                 )
+            for _ in range(job.send.settled - ended):
+                mgr.transfer_settled(room)
             if job.send.error and not prog.failed:
                 job.send.abandon()
                 self._fail(room, f"staged transfer to {job.info.agent} failed: {job.send.error}", finish=False)

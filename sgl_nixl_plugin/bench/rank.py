@@ -351,7 +351,9 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
     return {"results": results, "timed_out": timed_out, "tables": tables}
 
 
-def run_decode(spec: RankSpec, env: dict[str, Any], progress: Any = None) -> dict[str, Any]:
+def run_decode(
+    spec: RankSpec, env: dict[str, Any], progress: Any = None, before_close: Any = None
+) -> dict[str, Any]:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
@@ -433,11 +435,13 @@ def run_decode(spec: RankSpec, env: dict[str, Any], progress: Any = None) -> dic
             del active[room]
         time.sleep(0.0005)
     timed_out = [r.room for r in pending] + list(active)
-    tables = _tables(mgr)
+    result = {"results": results, "timed_out": timed_out, "tables": _tables(mgr)}
+    if before_close is not None:
+        before_close(result)
     close = getattr(mgr, "close", None)
     if close is not None:
         close()
-    return {"results": results, "timed_out": timed_out, "tables": tables}
+    return result
 
 
 def run_bootstrap(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any]:
@@ -447,18 +451,37 @@ def run_bootstrap(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, A
     return {"results": {}, "timed_out": [], "tables": {}}
 
 
-def rank_main(spec: RankSpec, out: Any, done: Any) -> None:
-    """Process entry point: runs one rank and puts ``(role, instance, tp_rank, result)`` on ``out``."""
+def rank_main(spec: RankSpec, out: Any, done: Any, release: Any = None) -> None:
+    """Process entry point: runs one rank and puts ``(role, instance, tp_rank, result)`` on ``out``.
+
+    A decode rank reports as soon as its rooms are done, then keeps its manager (and NIXL
+    agent) up until ``release`` is set, like a decode server that stays up: a prefill rank
+    with nothing to send it (an MLA prefill rank beyond the decode TP, SGLang's "dummy"
+    rank) may still be handshaking with it after the decode got all its data.
+    """
     key = (spec.role, spec.instance, spec.tp_rank)
+    reported = False
+
+    def report_then_hold(result: dict[str, Any]) -> None:
+        nonlocal reported
+        out.put((*key, result))
+        reported = True
+        if release is not None:
+            release.wait(timeout=spec.deadline_s)
+
     try:
         logging.basicConfig(level=os.environ.get("SGL_NIXL_BENCH_LOG", "WARNING"))
         env = _setup(spec)
         if spec.role == "prefill":
             result = run_prefill(spec, env, done)
         elif spec.role == "decode":
-            result = run_decode(spec, env, lambda n: out.put((*key, {"progress": n})))
+            result = run_decode(
+                spec, env, lambda n: out.put((*key, {"progress": n})), report_then_hold
+            )
         else:
             result = run_bootstrap(spec, env, done)
-        out.put((*key, result))
+        if not reported:
+            out.put((*key, result))
     except BaseException:
-        out.put((*key, {"error": traceback.format_exc()}))
+        if not reported:
+            out.put((*key, {"error": traceback.format_exc()}))

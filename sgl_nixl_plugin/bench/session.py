@@ -33,12 +33,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_process(spec: RankSpec, out: Any, done: Any) -> None:
+def _rank_process(spec: RankSpec, out: Any, done: Any, release: Any = None) -> None:
     """Process target: run the rank, flush its result, then exit at once. A backend may leave
     non-daemon threads behind (SGLang's in-tree NIXL prefill starts its bootstrap thread
     without ``daemon=True``), which would keep the process alive until ``_reap`` gives up
     after 15 s and terminates it."""
-    rank_main(spec, out, done)
+    rank_main(spec, out, done, release)
     out.close()
     out.join_thread()
     sys.stdout.flush()
@@ -131,6 +131,7 @@ class Session:
         self.ctx = mp.get_context("spawn")
         self.out = self.ctx.Queue()
         self.done = self.ctx.Event()
+        self.release = self.ctx.Event()  # every result is in: decode ranks may close
         self.specs, self.addrs = _specs(cfg)
         self.procs: dict[tuple[str, int, int], Any] = {}
         self.started = time.monotonic()
@@ -138,7 +139,7 @@ class Session:
     def start(self) -> Session:
         for spec in self.specs:
             p = self.ctx.Process(
-                target=_rank_process, args=(spec, self.out, self.done), daemon=True,
+                target=_rank_process, args=(spec, self.out, self.done, self.release), daemon=True,
                 name=f"{spec.role}{spec.instance}.{spec.tp_rank}",
             )
             p.start()
@@ -185,6 +186,7 @@ class Session:
                 errors.append(f"{k[0]}{k[1]}.{k[2]} died with exit code {self.procs[k].exitcode}")
         finally:
             self.done.set()
+            self.release.set()
             self._reap()
         wall = time.monotonic() - self.started
         return SessionResult(

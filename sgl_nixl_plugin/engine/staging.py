@@ -189,6 +189,8 @@ class StagedSend:
     done_pieces: int = 0
     nbytes: int = 0
     error: str = ""
+    posted: int = 0  # WRITEs posted so far
+    settled: int = 0  # WRITEs that ended (DONE or ERR) so far
 
     @property
     def finished(self) -> bool:
@@ -210,6 +212,7 @@ class StagedSend:
                 continue
             self.agent.release(f.xfer)
             self.local.release([f.local_slot])
+            self.settled += 1
             if state == "ERR":
                 self.error = self.error or f.xfer.error or "staging WRITE failed"
                 continue
@@ -260,6 +263,7 @@ class StagedSend:
                 self.error = str(exc)
                 return landed
             self._writing.append(f)
+            self.posted += 1
         return landed
 
     def abandon(self, reason: str = "abandoned") -> None:

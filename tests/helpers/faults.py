@@ -1,0 +1,1149 @@
+"""Fault-injection orchestration for PD tests: rank processes the test steers step by step.
+
+``bench.session`` runs a whole workload and reports at the end; failure tests need more
+control: hold a room's last chunk so a kill lands mid-transfer, kill one process and time
+what the others observe, restart a prefill on the same bootstrap server, abort from the
+decode loop, run a soak inside one long-lived pair, or start ranks in network namespaces.
+
+Each rank is a fresh Python process (``subprocess``, optionally under ``ip netns exec``)
+that reuses the bench harness (``RankSpec``, ``Pools``, ``_setup``, ``_tables``,
+``PagePool``, the byte patterns) and obeys commands sent over a socketpair
+(``multiprocessing.connection.Connection``). It reports asynchronous events, every one
+stamped with ``time.time()`` taken in that process (all ranks run on one host, so wall
+clocks of different processes compare). Every process gets a hard deadline of its own
+(it exits by itself) and ``FaultCluster.close`` kills whatever is left.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sgl_nixl_plugin.bench.rank import Pools, RankSpec, _setup, _tables
+from sgl_nixl_plugin.bench.session import LOOPBACK_ENV, free_port
+from sgl_nixl_plugin.bench.workload import (
+    AUX_ITEM_BYTES,
+    STATE_ITEM_BYTES,
+    PagePool,
+    Request,
+    Workload,
+    aux_pattern,
+    pattern,
+    state_pattern,
+)
+
+TESTS_DIR = str(Path(__file__).resolve().parents[1])
+
+#: Extra environment of every rank in these tests. Failure detection under test is the
+#: connection watch (a killed process resets its TCP connections); a long ping deadline
+#: keeps a loaded CI host from failing rooms by silence instead, so a pass proves the
+#: reset path. The partition test sets its own short deadline.
+FAULT_ENV = {
+    "SGL_NIXL_PLUGIN_LIVENESS_INTERVAL": "1.0",
+    "SGL_NIXL_PLUGIN_LIVENESS_MISSES": "30",
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "120",
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "120",
+}
+
+
+class RankDied(RuntimeError):
+    """The rank process went away (its end of the socketpair closed)."""
+
+
+# ======================================================================================
+# parent side
+# ======================================================================================
+
+
+class RankProc:
+    """One rank process and its command channel."""
+
+    def __init__(
+        self,
+        name: str,
+        spec: RankSpec,
+        logdir: Path,
+        *,
+        env: dict[str, str] | None = None,
+        netns: str | None = None,
+        opts: dict[str, Any] | None = None,
+        lifetime_s: float = 240.0,
+    ) -> None:
+        self.name = name
+        self.spec = spec
+        self.log_path = logdir / f"{name}.log"
+        self.netns = netns
+        self.opts = dict(opts or {})
+        self.lifetime_s = lifetime_s
+        self.env = env or {}
+        self.proc: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.info: dict[str, Any] = {}
+        self._events: list[dict[str, Any]] = []
+        self._replies: dict[int, tuple[bool, Any]] = {}
+        self._next_id = 0
+        self.killed_at: float | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> RankProc:
+        from helpers.subproc import clean_env
+
+        parent, child = socket.socketpair()
+        env = clean_env({**LOOPBACK_ENV, **FAULT_ENV, **self.spec.env, **self.env})
+        env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        argv = [
+            sys.executable, "-c",
+            f"from helpers.faults import child_main; child_main({child.fileno()})",
+        ]
+        if self.netns:
+            argv = ["ip", "netns", "exec", self.netns, *argv]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                pass_fds=[child.fileno()], cwd=TESTS_DIR, start_new_session=True,
+            )
+        child.close()
+        self.conn = Connection(parent.detach())
+        self.conn.send({"spec": self.spec, "opts": self.opts, "lifetime_s": self.lifetime_s})
+        return self
+
+    def wait_ready(self, timeout: float = 90.0) -> dict[str, Any]:
+        ev = self.wait_event(lambda e: e["kind"] in ("ready", "fatal"), timeout)
+        if ev["kind"] == "fatal":
+            raise RuntimeError(f"{self.name} failed to start:\n{ev['error']}\n{self.log_tail()}")
+        self.info = ev
+        return ev
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> float:
+        """SIGKILL; returns ``time.time()`` taken just before the signal."""
+        assert self.proc is not None
+        t = time.time()
+        self.proc.send_signal(signal.SIGKILL)
+        self.killed_at = t
+        self.proc.wait(timeout=10)
+        return t
+
+    def close(self) -> None:
+        """Graceful stop if possible (the rank closes its manager), then kill."""
+        if self.proc is None:
+            return
+        if self.alive() and self.conn is not None:
+            try:
+                self.conn.send(("stop", -1, {}))
+                self.proc.wait(timeout=10)
+            except Exception:
+                pass
+        if self.alive():
+            self.proc.kill()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return f"--- {self.name} log (tail) ---\n{text[-n:]}"
+
+    # -- messages -------------------------------------------------------------------------
+    def _pump(self, timeout: float) -> None:
+        """Read whatever the rank sent within ``timeout`` seconds (at least one poll)."""
+        assert self.conn is not None
+        try:
+            ready = self.conn.poll(max(0.0, timeout))
+        except (EOFError, OSError) as exc:
+            raise RankDied(f"{self.name} is gone") from exc
+        while ready:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError) as exc:
+                raise RankDied(f"{self.name} is gone (exit {self.proc.poll() if self.proc else None})") from exc
+            kind = msg[0]
+            if kind == "event":
+                self._events.append(msg[1])
+            else:
+                self._replies[msg[1]] = (kind == "reply", msg[2])
+            ready = self.conn.poll(0)
+
+    def send(self, op: str, **kw: Any) -> int:
+        assert self.conn is not None
+        self._next_id += 1
+        self.conn.send((op, self._next_id, kw))
+        return self._next_id
+
+    def result(self, rid: int, timeout: float = 60.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while rid not in self._replies:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.name}: no reply to request {rid} in {timeout:.0f}s")
+            self._pump(min(left, 0.2))
+        ok, value = self._replies.pop(rid)
+        if not ok:
+            raise RuntimeError(f"{self.name} raised:\n{value}")
+        return value
+
+    def call(self, op: str, timeout: float = 60.0, **kw: Any) -> Any:
+        return self.result(self.send(op, **kw), timeout)
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        """Every event received so far (of ``kind``), without consuming them."""
+        if self.conn is not None and self.alive():
+            try:
+                self._pump(0)
+            except RankDied:
+                pass
+        return [e for e in self._events if kind is None or e["kind"] == kind]
+
+    def wait_event(self, pred: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            for e in self._events[seen:]:
+                if pred(e):
+                    if e["kind"] in ("ready", "fatal"):
+                        self._events.remove(e)
+                    return e
+            seen = len(self._events)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.name}: no matching event in {timeout:.0f}s\n{self.log_tail()}")
+            self._pump(min(left, 0.2))
+
+    def done(self, rooms: set[int] | None = None) -> dict[int, dict[str, Any]]:
+        """Final results reported so far, per room."""
+        return {
+            e["room"]: e for e in self.events("done") if rooms is None or e["room"] in rooms
+        }
+
+    def wait_done(self, rooms: set[int], timeout: float) -> dict[int, dict[str, Any]]:
+        """Bounded wait until every room in ``rooms`` reported its final result."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.done(rooms)
+            if set(got) >= rooms:
+                return got
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"{self.name}: {len(rooms - set(got))}/{len(rooms)} rooms unfinished after "
+                    f"{timeout:.0f}s\n{self.log_tail()}"
+                )
+            self._pump(min(left, 0.2))
+
+
+def poll_until(
+    probe: Callable[[], Any], ok: Callable[[Any], bool], timeout: float, interval: float = 0.05
+) -> tuple[Any, float]:
+    """Call ``probe`` until ``ok(value)`` (bounded): returns (value, time.time() it held).
+    Raises ``TimeoutError`` with the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if ok(value):
+            return value, time.time()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met in {timeout:.1f}s; last value: {value!r}")
+        time.sleep(interval)  # polling interval of a bounded wait, not synchronisation
+
+
+class FaultCluster:
+    """The ranks of one test; ``close`` (always called, in ``finally``) ends them all."""
+
+    def __init__(self, workload: Workload, logdir: Path, env: dict[str, str] | None = None) -> None:
+        self.workload = workload
+        self.logdir = logdir
+        self.env = {**(env or {})}
+        self.ranks: dict[str, RankProc] = {}
+
+    def __enter__(self) -> FaultCluster:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def spec(self, role: str, instance: int = 0, bootstrap_port: int = 0, **kw: Any) -> RankSpec:
+        return RankSpec(
+            role, instance, 1, 0, self.workload, bootstrap_port=bootstrap_port,
+            env={**self.env, **kw.pop("env", {})}, **kw,
+        )
+
+    def add(self, name: str, spec: RankSpec, **kw: Any) -> RankProc:
+        r = RankProc(name, spec, self.logdir, **kw).start()
+        self.ranks[name] = r
+        return r
+
+    def bootstrap(self, name: str, port: int | None = None, **kw: Any) -> RankProc:
+        port = port or free_port()
+        return self.add(name, self.spec("bootstrap", bootstrap_port=port), **kw)
+
+    def prefill(self, name: str, port: int, serve_bootstrap: bool, instance: int = 0, **kw: Any) -> RankProc:
+        spec = self.spec("prefill", instance, bootstrap_port=port, serve_bootstrap=serve_bootstrap)
+        return self.add(name, spec, **kw)
+
+    def decode(self, name: str, instance: int = 0, **kw: Any) -> RankProc:
+        return self.add(name, self.spec("decode", instance), **kw)
+
+    def ready(self, *names: str, timeout: float = 120.0) -> None:
+        for n in names or list(self.ranks):
+            if not self.ranks[n].info:
+                self.ranks[n].wait_ready(timeout)
+
+    def logs(self) -> str:
+        return "\n".join(r.log_tail() for r in self.ranks.values())
+
+    def close(self) -> None:
+        for r in self.ranks.values():
+            try:
+                r.close()
+            except Exception:
+                if r.proc is not None and r.proc.poll() is None:
+                    r.proc.kill()
+
+
+def make_requests(n: int, seed: int, *, tokens: tuple[int, int], chunks: int = 1, contiguous: bool = False) -> list[Request]:
+    """``n`` requests with fresh random rooms (``chunks`` > 1 lets a prefill hold the last)."""
+    rng = np.random.default_rng(seed)
+    return [
+        Request(int(rng.integers(1, 2**63 - 1)), int(rng.integers(tokens[0], tokens[1] + 1)), chunks, contiguous, True)
+        for _ in range(n)
+    ]
+
+
+# ======================================================================================
+# network namespaces
+# ======================================================================================
+
+
+@dataclass
+class NetnsPair:
+    ns: tuple[str, str]
+    dev: tuple[str, str]
+    addr: tuple[str, str] = ("10.250.0.1", "10.250.0.2")
+
+    def ip(self, side: int, *args: str) -> None:
+        _ip("-n", self.ns[side], *args)
+
+    def link(self, side: int, state: str) -> None:
+        self.ip(side, "link", "set", self.dev[side], state)
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20, check=False)
+    if r.returncode:
+        raise RuntimeError(f"ip {' '.join(args)} failed: {r.stderr.strip()}")
+    return r
+
+
+def netns_unavailable() -> str | None:
+    """Why namespaces can't be made here (None if ``ip netns add`` works)."""
+    name = f"sglnp{os.getpid()}"
+    try:
+        _ip("netns", "add", name)
+    except FileNotFoundError:
+        return "the ip command (iproute2) is not installed"
+    except Exception as exc:
+        return f"`ip netns add` does not work here (needs root / CAP_SYS_ADMIN): {exc}"
+    try:
+        _ip("netns", "del", name)
+    except Exception:
+        pass
+    return None
+
+
+@contextmanager
+def netns_pair() -> Iterator[NetnsPair]:
+    """Two namespaces joined by a veth pair, 10.250.0.1/24 and 10.250.0.2/24 inside them
+    only (and loopback up in each). Both are deleted on exit, whatever happened."""
+    tag = f"{os.getpid() % 100000}"
+    pair = NetnsPair((f"sglp{tag}a", f"sglp{tag}b"), (f"sgv{tag}a", f"sgv{tag}b"))
+    made: list[str] = []
+    try:
+        for ns in pair.ns:
+            _ip("netns", "add", ns)
+            made.append(ns)
+        _ip("-n", pair.ns[0], "link", "add", pair.dev[0], "type", "veth", "peer", "name", pair.dev[1], "netns", pair.ns[1])
+        for side in (0, 1):
+            pair.ip(side, "addr", "add", f"{pair.addr[side]}/24", "dev", pair.dev[side])
+            pair.ip(side, "link", "set", pair.dev[side], "up")
+            pair.ip(side, "link", "set", "lo", "up")
+        yield pair
+    finally:
+        for ns in made:
+            try:
+                _ip("netns", "del", ns)
+            except Exception:
+                pass
+
+
+# ======================================================================================
+# child side
+# ======================================================================================
+
+
+@dataclass
+class _PRoom:
+    req: Request
+    sender: Any
+    pages: np.ndarray
+    slot: int
+    plan: str = "normal"  # normal | hold | abort_before | abort_mid
+    parts: list[np.ndarray] = field(default_factory=list)
+    next_part: int = 0
+    inited: bool = False
+    held: bool = False
+
+
+@dataclass
+class _DRoom:
+    req: Request
+    receiver: Any
+    pages: np.ndarray
+    slot: int
+    sent_pages: int
+    t0: float
+    aborted: bool = False
+    required_acks: int = 0
+    acked_at: float | None = None
+    snapshot: list[np.ndarray] | None = None
+    snapshot_landed: int = -1
+    keep: bool = False  # hold the pages after the ack until ``check_unchanged``
+    abort_after: int = -1  # soak: abort after this many polls
+    polls: int = 0
+    arm_from: int = -1  # abort once a page from this index on shows bytes (``arm_abort``)
+    landing_at_abort: int = -1
+
+
+class _Rank:
+    """Shared plumbing: the command loop, events and resource probes."""
+
+    def __init__(self, conn: Connection, spec: RankSpec, opts: dict[str, Any], deadline: float) -> None:
+        self.conn = conn
+        self.spec = spec
+        self.opts = opts
+        self.deadline = deadline
+        self.stopping = False
+
+    def emit(self, kind: str, **kw: Any) -> None:
+        self.conn.send(("event", {"kind": kind, "t": time.time(), **kw}))
+
+    def loop(self) -> None:
+        while not self.stopping and time.monotonic() < self.deadline:
+            busy = self.step()
+            if self.conn.poll(0.0005 if busy else 0.05):
+                while self.conn.poll(0):
+                    self.command(self.conn.recv())
+
+    def command(self, msg: tuple[str, int, dict[str, Any]]) -> None:
+        op, rid, kw = msg
+        if op == "stop":
+            self.stopping = True
+            return
+        try:
+            value = getattr(self, f"do_{op}")(**kw)
+            self.conn.send(("reply", rid, value))
+        except Exception:
+            self.conn.send(("error", rid, traceback.format_exc()))
+
+    def step(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    # -- probes ------------------------------------------------------------------------
+    def do_rss(self) -> int:
+        gc.collect()
+        return rss_bytes()
+
+    def do_cpu(self, seconds: float) -> dict[str, Any]:
+        """CPU time this whole process (every thread) used over ``seconds`` of idling in its
+        normal loop, with the busiest threads for a diagnosis."""
+        threads0 = _thread_cpu()
+        c0, w0 = time.process_time(), time.monotonic()
+        end = w0 + seconds
+        while time.monotonic() < end:
+            self.step()
+            self.conn.poll(min(0.05, max(0.0, end - time.monotonic())))  # an idle rank's loop
+        c1, w1 = time.process_time(), time.monotonic()
+        threads1 = _thread_cpu()
+        per = {k: threads1[k] - threads0.get(k, 0.0) for k in threads1}
+        top = sorted(per.items(), key=lambda kv: -kv[1])[:6]
+        return {"cpu_s": c1 - c0, "wall_s": w1 - w0, "top_threads": top}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _thread_cpu() -> dict[str, float]:
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                raw = f.read()
+            name = raw[raw.index("(") + 1 : raw.rindex(")")]
+            fields = raw[raw.rindex(")") + 2 :].split()
+            out[f"{name}/{tid}"] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+class _BootstrapRank(_Rank):
+    def __init__(self, conn: Connection, spec: RankSpec, opts: dict[str, Any], deadline: float) -> None:
+        super().__init__(conn, spec, opts, deadline)
+        self.env = _setup(spec)
+        host = opts.get("bootstrap_host", "127.0.0.1")
+        self.server = self.env["classes"]["bootstrap_server"](host=host, port=spec.bootstrap_port)
+        self.emit("ready", pid=os.getpid(), port=spec.bootstrap_port)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def _fill_slot(pools: Pools, room: int, slot: int, with_state: bool) -> None:
+    for b, buf in enumerate(pools.aux):
+        n = AUX_ITEM_BYTES[b]
+        buf[slot * n : (slot + 1) * n] = aux_pattern(room, b, n)
+    if with_state:
+        pools.state_row(slot)[:] = state_pattern(room, STATE_ITEM_BYTES)
+
+
+class _PrefillRank(_Rank):
+    def __init__(self, conn: Connection, spec: RankSpec, opts: dict[str, Any], deadline: float) -> None:
+        super().__init__(conn, spec, opts, deadline)
+        from sglang.srt.disaggregation.base.conn import KVPoll
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        self.KVPoll = KVPoll
+        self.env = _setup(spec)
+        cls = self.cls = self.env["classes"]
+        self.pools = Pools(spec)
+        self.server = None
+        if spec.serve_bootstrap:
+            host = opts.get("bootstrap_host", "127.0.0.1")
+            self.server = cls["bootstrap_server"](host=host, port=spec.bootstrap_port)
+        self.mgr = cls["manager"](
+            self.pools.kv_args(cls["kvargs"], spec), DisaggregationMode.PREFILL,
+            self.env["server_args"], spec.workload.shape.mla,
+        )
+        self.page_pool = PagePool(self.pools.pages, seed=spec.workload.seed + 17 * spec.instance + 1)
+        self.slots = list(range(1, self.pools.aux_rows))
+        self.active: dict[int, _PRoom] = {}
+        self.bootstrap_addr = f"127.0.0.1:{spec.bootstrap_port}"
+        self.emit(
+            "ready", pid=os.getpid(), ip=self.mgr.local_ip, port=self.mgr.rank_port,
+            agent=self.mgr.engine.name, bootstrap_port=spec.bootstrap_port,
+        )
+
+    def close(self) -> None:
+        self.mgr.close()
+        if self.server is not None:
+            self.server.close()
+
+    # -- commands ------------------------------------------------------------------------
+    def do_expect(self, reqs: list[Request], plans: dict[int, str] | None = None) -> int:
+        """Create a sender per request now (as SGLang does when the request arrives)."""
+        plans = plans or {}
+        for r in reqs:
+            pages = self.page_pool.alloc(r.pages(self.spec.workload.page_size), r.contiguous)
+            if pages is None:
+                raise RuntimeError("prefill page pool exhausted")
+            slot = self.slots.pop()
+            self.pools.fill(r.room, pages)
+            _fill_slot(self.pools, r.room, slot, r.with_state)
+            sender = self.cls["sender"](mgr=self.mgr, bootstrap_addr=self.bootstrap_addr, bootstrap_room=r.room)
+            self.active[r.room] = _PRoom(r, sender, pages, slot, plans.get(r.room, "normal"),
+                                         parts=np.array_split(pages, r.chunks))
+        return len(self.active)
+
+    def do_release(self, rooms: list[int]) -> list[int]:
+        """Send the held chunks of ``rooms`` (those still active); returns which were sent."""
+        sent = []
+        for room in rooms:
+            ctx = self.active.get(room)
+            if ctx is not None and ctx.held:
+                ctx.held = False
+                self._send_parts(ctx, len(ctx.parts))
+                sent.append(room)
+        return sent
+
+    def do_held(self) -> list[int]:
+        return [room for room, c in self.active.items() if c.held]
+
+    def do_state(self) -> dict[str, Any]:
+        mgr = self.mgr
+        return {
+            "tables": _tables(mgr),
+            "peers": sorted(mgr.control.peers),
+            "watched": _keys(mgr.control.watch._peers),
+            "active": len(self.active),
+        }
+
+    def do_sender_abort(self, rooms: list[int]) -> None:
+        for room in rooms:
+            if room in self.active:
+                self.active[room].sender.abort()
+
+    def do_soak(self, plan: SoakPlan) -> dict[str, Any]:
+        return soak_prefill(self, plan)
+
+    # -- the scheduler loop ----------------------------------------------------------------
+    def _send_parts(self, ctx: _PRoom, upto: int) -> None:
+        r = ctx.req
+        while ctx.next_part < upto:
+            i = ctx.next_part
+            last = i == len(ctx.parts) - 1
+            state = [np.array([ctx.slot], dtype=np.int32)] if (last and r.with_state) else None
+            ctx.sender.send(ctx.parts[i].astype(np.int32), state_indices=state)
+            ctx.next_part += 1
+
+    def step(self) -> bool:
+        KVPoll = self.KVPoll
+        for room, ctx in list(self.active.items()):
+            status = ctx.sender.poll()
+            if status == KVPoll.WaitingForInput and not ctx.inited:
+                if ctx.plan == "abort_before":
+                    ctx.sender.abort()
+                    continue
+                ctx.inited = True
+                ctx.sender.init(len(ctx.pages), ctx.slot)
+                if ctx.plan in ("hold", "abort_mid"):
+                    self._send_parts(ctx, len(ctx.parts) - 1)
+                    ctx.held = ctx.plan == "hold"
+                    if ctx.plan == "abort_mid":
+                        ctx.sender.abort()
+                else:
+                    self._send_parts(ctx, len(ctx.parts))
+            elif status in (KVPoll.Success, KVPoll.Failed):
+                self._finish(room, ctx, status == KVPoll.Success)
+        return bool(self.active)
+
+    def _finish(self, room: int, ctx: _PRoom, ok: bool) -> str | None:
+        reason = None
+        if ok:
+            ctx.sender.clear()
+        else:
+            try:
+                ctx.sender.failure_exception()
+            except Exception as exc:
+                reason = str(exc)
+        self.page_pool.release(ctx.pages)
+        self.slots.append(ctx.slot)
+        del self.active[room]
+        self.emit("done", room=room, ok=ok, reason=reason)
+        return reason
+
+
+class _DecodeRank(_Rank):
+    def __init__(self, conn: Connection, spec: RankSpec, opts: dict[str, Any], deadline: float) -> None:
+        super().__init__(conn, spec, opts, deadline)
+        from sglang.srt.disaggregation.base.conn import KVPoll
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        self.KVPoll = KVPoll
+        self.env = _setup(spec)
+        cls = self.cls = self.env["classes"]
+        self.pools = Pools(spec)
+        self.mgr = cls["manager"](
+            self.pools.kv_args(cls["kvargs"], spec), DisaggregationMode.DECODE,
+            self.env["server_args"], spec.workload.shape.mla,
+        )
+        self.page_pool = PagePool(self.pools.pages, seed=spec.workload.seed + 31 * spec.instance + 2)
+        self.slots = list(range(1, self.pools.aux_rows))
+        self.active: dict[int, _DRoom] = {}
+        self.emit("ready", pid=os.getpid(), ip=self.mgr.local_ip, port=self.mgr.rank_port, agent=self.mgr.engine.name)
+
+    def close(self) -> None:
+        self.mgr.close()
+
+    # -- commands ------------------------------------------------------------------------
+    def do_submit(self, reqs: list[Request], addr: str, short: list[int] | None = None) -> dict[int, str]:
+        """Allocate pages and send each request's metadata (``short`` rooms get one page
+        fewer than the prefill sends: a transfer the prefill must fail). Returns the rooms
+        that could not start, with why."""
+        problems = {}
+        for r in reqs:
+            why = self.start_room(r, addr, short=r.room in (short or ()))
+            if why:
+                problems[r.room] = why
+        return problems
+
+    def start_room(self, r: Request, addr: str, short: bool = False, zero: bool = True) -> str | None:
+        mgr, pools = self.mgr, self.pools
+        if not mgr.try_ensure_parallel_info(addr):
+            return f"no parallel info from {addr}"
+        pages = self.page_pool.alloc(r.pages(self.spec.workload.page_size), r.contiguous)
+        if pages is None:
+            return "decode page pool exhausted"
+        slot = self.slots.pop()
+        if zero:
+            for k in range(len(pools.kv_ptrs)):
+                pools.region_words(k)[pages] = 0
+        for buf, n in zip(pools.aux, AUX_ITEM_BYTES, strict=False):
+            buf[slot * n : (slot + 1) * n] = 0
+        if r.with_state:
+            pools.state_row(slot)[:] = 0
+        receiver = self.cls["receiver"](mgr=mgr, bootstrap_addr=addr, bootstrap_room=r.room)
+        receiver.init(0)
+        state = [np.array([slot], dtype=np.int32)] if r.with_state else None
+        sent = pages[:-1] if short else pages
+        receiver.send_metadata(sent, slot, state)
+        self.active[r.room] = _DRoom(r, receiver, pages, slot, len(sent), time.time())
+        return None
+
+    def do_abort(self, rooms: list[int], keep: bool = True) -> list[int]:
+        """SGLang's ``receiver.abort()`` for each still-active room; with deferred release the
+        room's pages stay held until every prefill rank acked (``acked`` event)."""
+        done = []
+        for room in rooms:
+            ctx = self.active.get(room)
+            if ctx is None or ctx.aborted:
+                continue
+            self._abort(ctx, keep)
+            done.append(room)
+        return done
+
+    def _abort(self, ctx: _DRoom, keep: bool) -> None:
+        ctx.receiver.abort()
+        ctx.aborted, ctx.keep = True, keep
+        rcv = ctx.receiver
+        # SGLang's DecodeTransferQueue._defer_release: one ack per prefill rank notified.
+        ctx.required_acks = len(rcv.bootstrap_infos) if rcv.abort_notified and rcv.bootstrap_infos else 0
+
+    def do_arm_abort(self, rooms: list[int], from_page: dict[int, int], keep: bool = True) -> None:
+        """Abort each room from this loop as soon as any byte of its pages from
+        ``from_page[room]`` on has landed: the abort then lands mid-transfer."""
+        for room in rooms:
+            ctx = self.active.get(room)
+            if ctx is not None:
+                ctx.arm_from, ctx.keep = from_page[room], keep
+
+    def _landing(self, ctx: _DRoom) -> tuple[int, int]:
+        """Pages from ``arm_from`` on with bytes written (pages were zeroed) in any region,
+        and in every region, sampled at the first word of every token row: cheap enough
+        for every loop."""
+        pages = ctx.pages[ctx.arm_from :]
+        any_ = np.zeros(len(pages), dtype=bool)
+        all_ = np.ones(len(pages), dtype=bool)
+        for r in range(len(self.pools.kv_ptrs)):
+            hit = self.pools.region_words(r)[pages, :, 0, 0].any(axis=1)
+            any_ |= hit
+            all_ &= hit
+        return int(any_.sum()), int(all_.sum())
+
+    def do_landed(self, rooms: list[int]) -> dict[int, int]:
+        """How many pages of each active room already hold the expected bytes."""
+        return {
+            room: int(page_matches(self.pools, room, self.active[room].pages).sum())
+            for room in rooms if room in self.active
+        }
+
+    def do_check_unchanged(self, rooms: list[int]) -> dict[int, dict[str, int]]:
+        """Compare held, acked rooms with their snapshot at ack time, then release them as
+        SGLang's ``_do_release`` does. Per room: bytes changed since the ack, and how many
+        of its pages held the full pattern at the ack."""
+        out = {}
+        for room in rooms:
+            ctx = self.active.get(room)
+            if ctx is None or ctx.snapshot is None:
+                out[room] = {"changed": -1, "landed_at_ack": -1}
+                continue
+            now = self._snap(ctx)
+            changed = sum(int(np.count_nonzero(a != b)) for a, b in zip(ctx.snapshot, now, strict=True))
+            out[room] = {"changed": changed, "landed_at_ack": ctx.snapshot_landed}
+            self._release(room, ctx)
+        return out
+
+    def do_state(self) -> dict[str, Any]:
+        from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+        mgr = self.mgr
+        watch = mgr.listener.watch
+        return {
+            "tables": _tables(mgr),
+            "known": sorted(mgr.known_endpoints()),
+            "watched": {ep: w.connected for ep, w in list(watch._peers.items())},
+            "pool_keys": _keys(mgr.connection_pool),
+            "sockets": _keys(CommonKVReceiver._socket_cache),
+            "active": len(self.active),
+        }
+
+    def do_soak(self, plan: SoakPlan) -> dict[str, Any]:
+        return soak_decode(self, plan)
+
+    # -- the scheduler loop ----------------------------------------------------------------
+    def _snap(self, ctx: _DRoom) -> list[np.ndarray]:
+        p = self.pools
+        out = [p.region_words(k)[ctx.pages].copy() for k in range(len(p.kv_ptrs))]
+        out += [buf[ctx.slot * n : (ctx.slot + 1) * n].copy() for buf, n in zip(p.aux, AUX_ITEM_BYTES, strict=False)]
+        if ctx.req.with_state:
+            out.append(np.array(p.state_row(ctx.slot), copy=True))
+        return out
+
+    def _release(self, room: int, ctx: _DRoom) -> None:
+        """SGLang's release of a finished request: forget the abort generation, clear the
+        receiver, return the pages and the metadata slot."""
+        if ctx.aborted:
+            self.mgr.clear_deferred_abort_state(room)
+            try:
+                ctx.receiver.failure_exception()  # clear() and pop the failure record
+            except Exception:
+                pass
+        self.page_pool.release(ctx.pages)
+        self.slots.append(ctx.slot)
+        del self.active[room]
+
+    def step(self) -> bool:
+        KVPoll = self.KVPoll
+        pools = self.pools
+        for room, ctx in list(self.active.items()):
+            if ctx.aborted:
+                if ctx.acked_at is None and self.mgr.is_abort_release_safe(room, ctx.required_acks):
+                    ctx.acked_at = time.time()
+                    if ctx.keep:
+                        ctx.snapshot = self._snap(ctx)
+                        ctx.snapshot_landed = int(page_matches(pools, room, ctx.pages).sum())
+                    self.emit("acked", room=room)
+                    if not ctx.keep:
+                        self._release(room, ctx)
+                continue
+            if ctx.arm_from >= 0:
+                started, whole = self._landing(ctx)
+                if started:
+                    ctx.landing_at_abort = whole
+                    self._abort(ctx, ctx.keep)
+                    self.emit("aborted", room=room, landing=whole, of=len(ctx.pages) - ctx.arm_from)
+                    continue
+            status = ctx.receiver.poll()
+            if status == KVPoll.Success and not _aux_landed(pools, ctx.slot):
+                continue  # SGLang's metadata gate
+            if status not in (KVPoll.Success, KVPoll.Failed):
+                continue
+            res: dict[str, Any] = {"ok": status == KVPoll.Success, "reason": None, "t0": ctx.t0}
+            if status == KVPoll.Failed:
+                try:
+                    ctx.receiver.failure_exception()
+                except Exception as exc:
+                    res["reason"] = str(exc)
+            else:
+                ctx.receiver.clear()
+                res.update(verify_room(pools, ctx))
+            self.page_pool.release(ctx.pages)
+            self.slots.append(ctx.slot)
+            del self.active[room]
+            self.emit("done", room=room, **res)
+        return bool(self.active)
+
+
+def _aux_landed(pools: Pools, slot: int) -> bool:
+    n = AUX_ITEM_BYTES[1]
+    return bool(pools.aux[1][slot * n : (slot + 1) * n].any())
+
+
+def _keys(d: dict) -> list[Any]:
+    for _ in range(10):
+        try:
+            return sorted(d)
+        except RuntimeError:  # changed size while another thread wrote it: read again
+            continue
+    return []
+
+
+def page_matches(pools: Pools, room: int, pages: np.ndarray) -> np.ndarray:
+    """Per page of a request: True where every region holds the prefill's pattern."""
+    n = np.arange(len(pages))
+    ok = np.ones(len(pages), dtype=bool)
+    for r in range(len(pools.kv_ptrs)):
+        pat = pattern(room, r, n, pools.page_size, pools.global_heads, pools.head_words)
+        got = pools.region_words(r)[pages]
+        ok &= (got == pat).reshape(len(pages), -1).all(axis=1)
+    return ok
+
+
+def verify_room(pools: Pools, ctx: _DRoom) -> dict[str, int]:
+    room, slot = ctx.req.room, ctx.slot
+    out = {"bad_pages": int((~page_matches(pools, room, ctx.pages)).sum())}
+    out["bad_aux"] = sum(
+        int(not np.array_equal(buf[slot * n : (slot + 1) * n], aux_pattern(room, b, n)))
+        for b, (buf, n) in enumerate(zip(pools.aux, AUX_ITEM_BYTES, strict=False))
+    )
+    if ctx.req.with_state:
+        out["bad_state"] = int(not np.array_equal(pools.state_row(slot), state_pattern(room, STATE_ITEM_BYTES)))
+    return out
+
+
+# ======================================================================================
+# soak: one long-lived pair, many tiny requests, a mix of outcomes
+# ======================================================================================
+
+
+@dataclass(frozen=True)
+class SoakPlan:
+    """Both ranks derive the same requests and fates from ``workload`` (its seed)."""
+
+    workload: Workload
+    addr: str = ""
+    warmup: int = 500
+    decode_abort_every: int = 10  # fates by request index: see ``fate``
+    client_abort_every: int = 13
+    mismatch_every: int = 17
+    ack_timeout_s: float = 10.0
+    time_limit_s: float = 150.0
+
+    def fate(self, i: int) -> str:
+        """ok | decode_abort (decode aborts mid-flight) | client_abort (prefill sender.abort()
+        at WaitingForInput, and the decode aborts too, as a client abort reaches both) |
+        mismatch (decode offers one page fewer: the prefill fails the transfer)."""
+        if i % self.decode_abort_every == 3:
+            return "decode_abort"
+        if i % self.client_abort_every == 5:
+            return "client_abort"
+        if i % self.mismatch_every == 7:
+            return "mismatch"
+        return "ok"
+
+
+def _rss_after_gc() -> int:
+    gc.collect()
+    return rss_bytes()
+
+
+def soak_prefill(rank: _PrefillRank, plan: SoakPlan) -> dict[str, Any]:
+    KVPoll = rank.KVPoll
+    w = plan.workload
+    reqs = w.make_requests()
+    fates = [plan.fate(i) for i in range(len(reqs))]
+    pending = list(range(len(reqs)))
+    pending.reverse()
+    active: dict[int, tuple[int, Any, np.ndarray, int, bool]] = {}
+    outcomes: Counter[str] = Counter()
+    done = 0
+    rss_warm = tables_warm = None
+    t_start = time.monotonic()
+    t_warm = None
+    deadline = t_start + plan.time_limit_s
+    pools, pp = rank.pools, rank.page_pool
+    while (pending or active) and time.monotonic() < deadline:
+        while pending and len(active) < w.concurrency:
+            i = pending[-1]
+            r = reqs[i]
+            pages = pp.alloc(r.pages(w.page_size), r.contiguous)
+            if pages is None:
+                break
+            pending.pop()
+            slot = rank.slots.pop()
+            pools.fill(r.room, pages)
+            _fill_slot(pools, r.room, slot, r.with_state)
+            sender = rank.cls["sender"](mgr=rank.mgr, bootstrap_addr=rank.bootstrap_addr, bootstrap_room=r.room)
+            active[r.room] = [i, sender, pages, slot, False]
+        for room, ctx in list(active.items()):
+            i, sender, pages, slot, inited = ctx
+            status = sender.poll()
+            if status == KVPoll.WaitingForInput and not inited:
+                if fates[i] == "client_abort":
+                    sender.abort()
+                    continue
+                ctx[4] = True
+                sender.init(len(pages), slot)
+                r = reqs[i]
+                parts = np.array_split(pages, r.chunks)
+                for k, part in enumerate(parts):
+                    last = k == len(parts) - 1
+                    state = [np.array([slot], dtype=np.int32)] if (last and r.with_state) else None
+                    sender.send(part.astype(np.int32), state_indices=state)
+            elif status in (KVPoll.Success, KVPoll.Failed):
+                if status == KVPoll.Success:
+                    sender.clear()
+                    outcomes[f"{fates[i]}:ok"] += 1
+                else:
+                    try:
+                        sender.failure_exception()
+                    except Exception:
+                        pass
+                    outcomes[f"{fates[i]}:failed"] += 1
+                pp.release(pages)
+                rank.slots.append(slot)
+                del active[room]
+                done += 1
+                if done == plan.warmup:
+                    rss_warm, tables_warm, t_warm = _rss_after_gc(), _tables(rank.mgr), time.monotonic()
+        time.sleep(0.0005)
+    t_end = time.monotonic()
+    # Let the transfer workers settle the last rooms (bounded), then read the tables.
+    settle = time.monotonic() + 10
+    while time.monotonic() < settle and any(w_.rooms for w_ in rank.mgr.workers):
+        time.sleep(0.01)
+    return {
+        "done": done, "unfinished": len(pending) + len(active), "outcomes": dict(outcomes),
+        "rss_warm": rss_warm, "rss_end": _rss_after_gc(), "tables_warm": tables_warm,
+        "tables_end": _tables(rank.mgr), "peers": sorted(rank.mgr.control.peers),
+        "wall_s": t_end - t_start, "steady_s": (t_end - t_warm) if t_warm else None,
+    }
+
+
+def soak_decode(rank: _DecodeRank, plan: SoakPlan) -> dict[str, Any]:
+    KVPoll = rank.KVPoll
+    w = plan.workload
+    reqs = w.make_requests()
+    fates = [plan.fate(i) for i in range(len(reqs))]
+    rng = np.random.default_rng(w.seed + 5)
+    pending = list(range(len(reqs)))
+    pending.reverse()
+    outcomes: Counter[str] = Counter()
+    bad: list[tuple[int, dict[str, int]]] = []
+    unacked = 0
+    ack_wait: list[float] = []
+    done = 0
+    rss_warm = tables_warm = None
+    t_start = time.monotonic()
+    t_warm = None
+    deadline = t_start + plan.time_limit_s
+    index = {r.room: i for i, r in enumerate(reqs)}
+    active = rank.active
+    pools = rank.pools
+
+    def finished() -> None:
+        nonlocal done, rss_warm, tables_warm, t_warm
+        done += 1
+        if done == plan.warmup:
+            rss_warm, tables_warm, t_warm = _rss_after_gc(), _tables(rank.mgr), time.monotonic()
+
+    while (pending or active) and time.monotonic() < deadline:
+        while pending and len(active) < w.concurrency:
+            i = pending[-1]
+            why = rank.start_room(reqs[i], plan.addr, short=fates[i] == "mismatch", zero=False)
+            if why == "decode page pool exhausted":
+                break
+            pending.pop()
+            if why:
+                outcomes[f"{fates[i]}:not_started"] += 1
+                finished()
+                continue
+            if fates[i] in ("decode_abort", "client_abort"):
+                active[reqs[i].room].abort_after = int(rng.integers(0, 4))
+        for room, ctx in list(active.items()):
+            i = index[room]
+            if ctx.aborted:
+                if ctx.acked_at is None and rank.mgr.is_abort_release_safe(room, ctx.required_acks):
+                    ctx.acked_at = time.monotonic()
+                    ack_wait.append(ctx.acked_at - ctx.t0)
+                elif ctx.acked_at is None and time.monotonic() - ctx.t0 < plan.ack_timeout_s:
+                    continue
+                if ctx.acked_at is None:
+                    unacked += 1
+                outcomes[f"{fates[i]}:aborted"] += 1
+                rank._release(room, ctx)
+                finished()
+                continue
+            status = ctx.receiver.poll()
+            if status == KVPoll.Success and not _aux_landed(pools, ctx.slot):
+                status = KVPoll.Transferring
+            if status not in (KVPoll.Success, KVPoll.Failed):
+                if ctx.abort_after >= 0:
+                    if ctx.polls >= ctx.abort_after:
+                        rank._abort(ctx, keep=False)
+                        ctx.t0 = time.monotonic()
+                    ctx.polls += 1
+                continue
+            if status == KVPoll.Success:
+                ctx.receiver.clear()
+                v = verify_room(pools, ctx)
+                if any(v.values()):
+                    bad.append((room, v))
+                outcomes[f"{fates[i]}:ok"] += 1
+            else:
+                try:
+                    ctx.receiver.failure_exception()
+                except Exception:
+                    pass
+                outcomes[f"{fates[i]}:failed"] += 1
+            rank.page_pool.release(ctx.pages)
+            rank.slots.append(ctx.slot)
+            del active[room]
+            finished()
+        time.sleep(0.0005)
+    t_end = time.monotonic()
+    return {
+        "done": done, "unfinished": len(pending) + len(active), "outcomes": dict(outcomes),
+        "bad": bad[:10], "n_bad": len(bad), "unacked": unacked,
+        "ack_wait_max_s": max(ack_wait, default=0.0),
+        "rss_warm": rss_warm, "rss_end": _rss_after_gc(), "tables_warm": tables_warm,
+        "tables_end": _tables(rank.mgr), "wall_s": t_end - t_start,
+        "steady_s": (t_end - t_warm) if t_warm else None,
+    }
+
+
+# ======================================================================================
+# child entry point
+# ======================================================================================
+
+_ROLES = {"bootstrap": _BootstrapRank, "prefill": _PrefillRank, "decode": _DecodeRank}
+
+
+def child_main(fd: int) -> None:
+    conn = Connection(fd)
+    init = conn.recv()
+    spec, opts = init["spec"], init["opts"]
+    deadline = time.monotonic() + float(init["lifetime_s"])
+    logging.basicConfig(
+        level=os.environ.get("SGL_NIXL_BENCH_LOG", "WARNING"),
+        format=f"%(asctime)s {spec.role}{spec.instance} %(name)s %(levelname)s: %(message)s",
+    )
+    # A hard deadline of its own: the process ends even if the test process vanished.
+    signal.signal(signal.SIGALRM, lambda *_: os._exit(3))
+    signal.alarm(int(init["lifetime_s"]) + 30)
+    rank = None
+    try:
+        rank = _ROLES[spec.role](conn, spec, opts, deadline)
+        rank.loop()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the test process went away
+    except BaseException:
+        try:
+            conn.send(("event", {"kind": "fatal", "t": time.time(), "error": traceback.format_exc()}))
+        except Exception:
+            pass
+        traceback.print_exc()
+    finally:
+        try:
+            if rank is not None:
+                rank.close()
+        except Exception:
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+__all__ = [
+    "FAULT_ENV", "FaultCluster", "NetnsPair", "RankDied", "RankProc", "SoakPlan",
+    "make_requests", "netns_pair", "netns_unavailable", "poll_until", "replace",
+]
