@@ -16,14 +16,16 @@ for d in .whl .sglwhl; do
     python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site $d/*.whl || exit 1
   fi
 done
-python3 -c "import nixl, sglang" 2>/dev/null || { echo "nixl or sglang missing in /tmp/site"; exit 1; }
+PYTHONPATH=/tmp/site python3 -c "import nixl, sglang" 2>/dev/null || { echo "nixl or sglang missing in /tmp/site"; exit 1; }
 # Our package with its dist-info, so SGLang's load_plugins() discovers the entry point.
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/plugin . || exit 1
-export PYTHONPATH=/tmp/plugin:/tmp/site
+export PYTHONPATH=/tmp/plugin:/tmp/site:$PWD/ci/gpu_stubs  # gpu_stubs: see its docstring
 export PYTHONUNBUFFERED=1 SGLANG_HOST_IP=127.0.0.1
 NGPU=$(nvidia-smi -L | wc -l)
 DEC_GPU=$(( NGPU > 1 ? 1 : 0 ))
 nvidia-smi -L | tee "$OUT/e2e.txt"
+timeout 120 python3 -c "import sitecustomize, sglang.srt.server_args, sglang.srt.disaggregation.common.conn" 2>&1 | tail -4 | tee -a "$OUT/e2e.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || { echo "SGLang's disaggregation layer does not import here" | tee -a "$OUT/e2e.txt"; exit 1; }
 timeout 120 python3 -c "
 from sglang.srt.plugins import load_plugins; load_plugins()
 from sglang.srt.disaggregation import utils

@@ -134,8 +134,10 @@ class LiveSession:
         with hermetic_environ():
             for key in keys:
                 spec = self.specs[key]
+                # as ``Session.start`` does (``release`` lets decode ranks close at the end)
+                args = (spec, s.out, s.done, getattr(s, "release", None))
                 p = s.ctx.Process(
-                    target=_rank_process, args=(spec, s.out, s.done), daemon=True,
+                    target=_rank_process, args=args, daemon=True,
                     name=f"{spec.role}{spec.instance}.{spec.tp_rank}",
                 )
                 p.start()
@@ -147,6 +149,8 @@ class LiveSession:
     def kill(self) -> None:
         """Stop every rank now (used when the test fails before ``wait``)."""
         self.session.done.set()
+        if getattr(self.session, "release", None) is not None:
+            self.session.release.set()
         for p in self.session.procs.values():
             if p.is_alive():
                 p.terminate()
@@ -212,7 +216,9 @@ class GatedBootstrap:
 class FakeDecode:
     """A decode rank made in this process: a real NIXL agent over the same pools a bench
     decode rank allocates, our codec, a ZMQ PULL socket (a pump thread answers pings,
-    progresses the agent and queues every other message) and PUSH sockets to peers."""
+    progresses the agent and queues every other message) and PUSH sockets to peers.
+
+    Set ``UCX_NET_DEVICES=lo`` before creating one (the fixtures do)."""
 
     def __init__(self, w: Workload, *, instance: int = 0, secret: bytes | None = None) -> None:
         from sgl_nixl_plugin.adapter.memory import compat_of, memory_from_kv_args, to_regions
@@ -221,7 +227,6 @@ class FakeDecode:
         from sgl_nixl_plugin.registry import manager as registry
         from sgl_nixl_plugin.wire.compat import compat_hash
 
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")  # before this process's first agent
         self.spec = RankSpec("decode", instance, 1, 0, w, bootstrap_port=0)
         self.pools = Pools(self.spec)
         args = self.pools.kv_args(types.SimpleNamespace, self.spec)
@@ -731,6 +736,8 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileRun]:
     mp.setenv("PROMETHEUS_MULTIPROC_DIR", str(prom))
     mp.setenv("UCX_NET_DEVICES", "lo")
     mp.setenv("SGL_NIXL_BENCH_LOG", "INFO")  # read before the rank applies its env
+    for name in ("SGL_NIXL_PLUGIN_SECRET", "SGL_NIXL_PLUGIN_SECRET_FILE"):
+        mp.delenv(name, raising=False)  # no shared secret anywhere in this session
     w = workload("tiny", 16, requests=6, min_tokens=40, max_tokens=120)
     env = {**E2E_ENV, "PROMETHEUS_MULTIPROC_DIR": str(prom), "SGL_NIXL_BENCH_LOG": "INFO"}
     live = LiveSession(SessionConfig(w, timeout_s=100, env=env))

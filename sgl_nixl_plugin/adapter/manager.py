@@ -59,6 +59,7 @@ class NixlPluginKVManager(CommonKVManager):
         server_args: Any,
         is_mla_backend: bool | None = False,
     ) -> None:
+        self._advertise = False  # SGLang's __init__ registers at the bootstrap: hold that
         self.settings = Settings.from_env()
         self.codec = Codec(secret=self.settings.secret)
         self.codec.rejections.listeners.append(metrics.rejected)
@@ -107,6 +108,10 @@ class NixlPluginKVManager(CommonKVManager):
             self.listener = DecodeListener(self)
             self.listener.start()
             self._start_heartbeat_checker_thread()
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            # Only now can this rank answer decodes: advertise it at the bootstrap server.
+            self._advertise = True
+            self.register_to_bootstrap()
         logger.info(
             "sgl-nixl: %s manager ready (agent %s, %s KV, %d regions, control %s:%s)",
             disaggregation_mode.value, self.engine.name, self.kv_mem_kind,
@@ -144,6 +149,11 @@ class NixlPluginKVManager(CommonKVManager):
             prefill_rank=msg.prefill_rank,
             failure_reason=msg.reason or None,
         )
+
+    def register_to_bootstrap(self) -> None:
+        """Advertise this prefill rank, but only once its engine and threads are up."""
+        if self._advertise:
+            super().register_to_bootstrap()
 
     def _register_topology_row(self, url: str, payload: dict) -> None:
         """PUT /route like SGLang does, signed when a shared secret is configured."""

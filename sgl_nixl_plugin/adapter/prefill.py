@@ -286,8 +286,20 @@ class PrefillControl:
                 remote = remote_memory(reg.kv, reg.aux, reg.state)
                 mgr.check_peer_aux_buffer_count(reg.agent_name, len(reg.aux))
                 link = mgr.engine.link(reg.agent_metadata, remote, {"kv": geometry})
-            except (ValueError, TransferError) as exc:
+            except ValueError as exc:
                 reason = f"cannot serve decode rank {reg.tp_rank}/{reg.tp_size} layout: {exc}"
+            except TransferError as exc:
+                # A transport problem (e.g. NIXL could not reach the peer) is not a verdict
+                # on the layout: don't remember it, let the decode register again.
+                logger.error("sgl-nixl: could not connect decode %s: %s", reg.agent_name, exc)
+                mgr.send_to(
+                    endpoint,
+                    RegistrationReply(
+                        reg.agent_name, mgr.prefill_rank_id, False, f"NIXL could not connect: {exc}",
+                        mgr.local_ip, mgr.rank_port, retry=True,
+                    ),
+                )
+                return
         old_link = None
         with self.lock:
             stale = [
@@ -346,6 +358,7 @@ class PrefillControl:
                 "(it restarted or was dropped); it re-registers on its next request"
             )
             mgr.send_to(target, TransferStatus(room, FAILED, mgr.prefill_rank_id, reason))
+            self._fail_locally(room, reason)
             if refused is None:
                 mgr.send_to(
                     target,
@@ -371,6 +384,7 @@ class PrefillControl:
         if problem is not None:
             mgr.codec.rejections.reject("index_out_of_range", f"room {room}: {problem}", req.agent_name)
             mgr.send_to(target, TransferStatus(room, FAILED, mgr.prefill_rank_id, problem))
+            self._fail_locally(room, problem)
             return
         infos = mgr.transfer_infos.setdefault(room, {})
         if req.agent_name in infos:
@@ -394,6 +408,13 @@ class PrefillControl:
             mgr.req_to_decode_prefix_len[room] = req.decode_prefix_len
         if len(infos) >= req.required_dst_info_num:
             mgr.update_status(room, WAITING_FOR_INPUT)
+
+    def _fail_locally(self, room: int, reason: str) -> None:
+        """Fail this side's sender too, so it doesn't sit until the bootstrap timeout."""
+        mgr = self.mgr
+        if mgr.request_status.get(room) not in (None, SUCCESS, FAILED):
+            mgr.record_failure(room, reason)
+            mgr.update_status(room, FAILED)
 
     # -- aborts ---------------------------------------------------------------------------
     def on_abort(self, msg: Abort) -> None:
