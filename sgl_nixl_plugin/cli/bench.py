@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print figures as JSON")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
+    o.add_argument(
+        "--metrics-port", type=int, metavar="PORT",
+        help="serve the ranks' Prometheus metrics on 127.0.0.1:PORT/metrics while it runs",
+    )
     return p
 
 
@@ -128,12 +132,29 @@ def _single_role(args: argparse.Namespace, workload: Workload) -> int:
     return 0 if ok == len(results) and not result["timed_out"] and not bad else 1
 
 
+def _serve_metrics(port: int) -> None:
+    """Collect the rank processes' metrics (prometheus-client multiprocess mode) and serve them."""
+    import os
+    import tempfile
+
+    os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="sgl-nixl-metrics-"))
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)
+    start_http_server(port, addr="127.0.0.1", registry=registry)
+    print(f"metrics: http://127.0.0.1:{port}/metrics", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from sgl_nixl_plugin.bench.report import summarize, table
     from sgl_nixl_plugin.bench.session import SessionConfig
 
     workload = workload_of(args)
+    if args.metrics_port:
+        _serve_metrics(args.metrics_port)
     if args.role:
         return _single_role(args, workload)
     if args.compare:
