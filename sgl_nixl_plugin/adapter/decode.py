@@ -49,7 +49,9 @@ class DecodeListener:
         sock = self.mgr.server_socket
         poller = self.watch.poller
         poller.register(sock, zmq.POLLIN)
-        tick_ms = max(10, int(self.watch.interval * 1000 / 2))
+        # Idle, wake every 20 ms (cheap) so a request that just became due gets its agent
+        # progressed quickly; see ``expect_data``.
+        tick_ms = 20
         while not self._stop.is_set():
             try:
                 # While data is due, wake every millisecond to progress the NIXL agent (a
@@ -79,6 +81,11 @@ class DecodeListener:
             except Exception:
                 logger.exception("sgl-nixl: decode listener error; it goes on")
         self.watch.close()
+
+    def expect_data(self) -> None:
+        """A transfer request just went out: start progressing the agent now, not at the
+        next liveness check (a two-sided transport needs the target to progress)."""
+        self._busy = True
 
     def _lost(self, endpoint: tuple[str, int], reason: str) -> None:
         self.watch.forget(endpoint)

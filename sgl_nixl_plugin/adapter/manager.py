@@ -270,6 +270,8 @@ class NixlPluginKVManager(CommonKVManager):
             np.empty(0, np.int32) if s is None else np.asarray(s).ravel()
             for s in (state_indices or [])
         ]
+        if not is_dummy:
+            self.listener.expect_data()
         slots = []
         if self.staging is not None and not is_dummy and len(kv):
             slots = self.staging.grant(bootstrap_room, kv)

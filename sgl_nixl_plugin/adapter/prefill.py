@@ -589,6 +589,7 @@ class TransferWorker:
             pieces=plan_pieces(g.num_regions, len(units), unit_len, min(staging.slot_bytes, peer.staging.slot_bytes)),
             remote_free=credits,
             stream=mgr.copy_stream,
+            drain_timeout_s=mgr.settings.abort_drain_timeout_s,
         )
         return StagedJob(send, info, peer, chunk.index_slice.start, n)
 
@@ -657,8 +658,14 @@ class TransferWorker:
                 self._maybe_finish(room)
                 continue
             remaining = []
+            stuck_after = self.mgr.settings.abort_drain_timeout_s
             for x in prog.xfers:
                 state = self.mgr.engine.poll(x)
+                if state == "PROC" and prog.failed and time.perf_counter() - x.started > stuck_after:
+                    self.mgr.engine.agent.abandon(x)  # its peer is gone: it will never settle
+                    self.mgr.transfer_settled(room)
+                    settled += 1
+                    continue
                 if state == "PROC":
                     remaining.append(x)
                     continue

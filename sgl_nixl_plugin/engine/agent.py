@@ -80,6 +80,7 @@ class Agent:
         self._xfers: set[Any] = set()
         self._peers: set[str] = set()
         self._pending_notifs: dict[str, list[bytes]] = {}
+        self._zombies: list[Any] = []
         self._lock = threading.Lock()
         self._closed = False
 
@@ -252,6 +253,19 @@ class Agent:
             self.live["xfer"] -= 1
         return True
 
+    def abandon(self, xfer: Xfer) -> None:
+        """Give up on a transfer that never settles (its peer is gone): free it if NIXL lets
+        us, else park it to retry at ``close``. Either way it no longer counts as live."""
+        if self.release(xfer):
+            return
+        with self._lock:
+            if xfer.handle in self._xfers:
+                self._xfers.discard(xfer.handle)
+                self._zombies.append(xfer.handle)
+                self.live["xfer"] -= 1
+                self.live["abandoned"] += 1
+        logger.warning("sgl-nixl: abandoned a transfer to %s that never completed", xfer.peer)
+
     # -- notifications ------------------------------------------------------------------
     def notifications(self) -> dict[str, list[bytes]]:
         new = self._nixl.get_new_notifs()
@@ -278,7 +292,7 @@ class Agent:
             if self._closed:
                 return
             self._closed = True
-            xfers, dlists = list(self._xfers), list(self._dlists)
+            xfers, dlists = list(self._xfers) + self._zombies, list(self._dlists)
             peers, regs = list(self._peers), list(self._regs)
         for h in xfers:
             try:
@@ -296,6 +310,7 @@ class Agent:
             self._nixl.deregister_memory(r)
         with self._lock:
             self._xfers.clear()
+            self._zombies.clear()
             self._dlists.clear()
             self._peers.clear()
             self._regs.clear()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,11 +27,13 @@ from sgl_nixl_plugin.engine.layout import Geometry, RegionSet
 
 logger = logging.getLogger(__name__)
 
-# Cost model behind the automatic path choice (see ``choose_path``), per memory kind:
-# seconds per posted descriptor, and bytes/s of one gather or scatter pass.
+# Cost model behind the automatic path choice (see ``choose_path``), per memory kind, from
+# our measurements (docs/benchmarks.md): seconds per posted descriptor (cuda_ipc ~13 µs; UCX
+# on host memory ~2.5 µs), bytes/s of one gather or scatter pass (Triton ~2 TB/s on an H200;
+# numpy ~4 GB/s on a small host), and the fixed host cost of one staged piece.
 DESCRIPTOR_COST_S = {"VRAM": 13e-6, "DRAM": 2.5e-6}
-COPY_BYTES_PER_S = {"VRAM": 1.0e12, "DRAM": 4.0e9}
-PIECE_OVERHEAD_S = {"VRAM": 60e-6, "DRAM": 60e-6}
+COPY_BYTES_PER_S = {"VRAM": 2.0e12, "DRAM": 4.0e9}
+PIECE_OVERHEAD_S = {"VRAM": 500e-6, "DRAM": 100e-6}
 
 
 @dataclass(frozen=True)
@@ -80,10 +83,10 @@ def choose_path(
 ) -> str:
     """``direct`` or ``staging`` for one transfer.
 
-    Rule: estimate both and take the cheaper. Direct costs one descriptor charge per
-    posted descriptor; staging costs two extra copy passes (hidden behind the wire when
-    pipelined, so only the first gather and last scatter show) plus a small per-piece
-    charge. ``mode`` ("direct"/"staging") overrides, when staging is possible at all.
+    Rule: estimate both and take the cheaper. The wire time is the same either way, so
+    direct costs one charge per posted descriptor, and staging costs its two extra copy
+    passes over the bytes plus a fixed charge per piece. ``mode`` ("direct"/"staging")
+    overrides, when staging is possible at all.
     """
     if not staging_possible or mode == "direct":
         return "direct"
@@ -91,8 +94,7 @@ def choose_path(
         return "staging"
     pieces = max(1, -(-nbytes // max(1, slot_bytes)))
     direct_s = descriptors * DESCRIPTOR_COST_S[mem_kind]
-    piece = min(nbytes, slot_bytes)
-    staging_s = 2 * piece / COPY_BYTES_PER_S[mem_kind] + pieces * PIECE_OVERHEAD_S[mem_kind]
+    staging_s = 2 * nbytes / COPY_BYTES_PER_S[mem_kind] + pieces * PIECE_OVERHEAD_S[mem_kind]
     return "staging" if staging_s < direct_s else "direct"
 
 
@@ -183,12 +185,14 @@ class StagedSend:
     pieces: list[Piece]
     remote_free: deque[int]  # receiver slots this room may write; shared by its chunks
     stream: Any = None
+    drain_timeout_s: float = 5.0  # after an error, how long in-flight WRITEs may take to settle
     _next: int = 0
     _gathered: deque[_InFlight] = field(default_factory=deque)
     _writing: list[_InFlight] = field(default_factory=list)
     done_pieces: int = 0
     nbytes: int = 0
     error: str = ""
+    _error_at: float = 0.0
     posted: int = 0  # WRITEs posted so far
     settled: int = 0  # WRITEs that ended (DONE or ERR) so far
 
@@ -204,6 +208,13 @@ class StagedSend:
         """Advance; returns ``(piece, remote_slot)`` for every piece that has landed."""
         landed: list[tuple[Piece, int]] = []
         # 1. completions (also after an error, so in-flight WRITEs drain and free slots)
+        if self.error and self._writing:
+            self._error_at = self._error_at or time.monotonic()
+            if time.monotonic() - self._error_at > self.drain_timeout_s:
+                for f in self._writing:  # their peer is gone: they will never settle
+                    self.agent.abandon(f.xfer)
+                    self.local.release([f.local_slot])
+                self._writing = []
         still = []
         for f in self._writing:
             state = self.agent.poll(f.xfer)
@@ -223,6 +234,7 @@ class StagedSend:
             landed.append((f.piece, f.remote_slot))
         self._writing = still
         if self.error:
+            self.abandon()  # nothing more is posted: give back gathered pieces' slots
             return landed
         # 2. gather ahead into free local slots (bounded by the buffer: backpressure)
         while self._next < len(self.pieces) and len(self._gathered) < 2:
@@ -260,7 +272,9 @@ class StagedSend:
                 )
             except TransferError as exc:
                 self.local.release([f.local_slot])
+                self.remote_free.appendleft(f.remote_slot)
                 self.error = str(exc)
+                self.abandon()
                 return landed
             self._writing.append(f)
             self.posted += 1
