@@ -29,6 +29,10 @@ from sgl_nixl_plugin.bench.workload import PRESETS, ModelShape, Request, Workloa
 PAGE = 16
 TINY = Workload(PRESETS["tiny"], page_size=PAGE, max_tokens=128, concurrency=32)
 
+#: A ping deadline shorter than a room is held in tests 1 and 5 (interval x misses).
+SHORT_PINGS = {"SGL_NIXL_PLUGIN_LIVENESS_INTERVAL": "0.5", "SGL_NIXL_PLUGIN_LIVENESS_MISSES": "4"}
+SHORT_PING_DEADLINE_S = 2.0
+
 #: The kill-detection bounds of the brief: the decode sees a dead prefill within 2 s, the
 #: prefill cleans up after a dead decode within 5 s.
 PREFILL_DEATH_S = 2.0
@@ -58,7 +62,9 @@ def _assert_byte_exact(results: dict[int, dict[str, Any]], logs: str = "") -> No
     assert not bad, f"rooms not delivered byte-exact: {bad}\n{logs}"
 
 
-def _run_ok(prefill: RankProc, decode: RankProc, reqs: list[Request], addr: str, timeout: float = 30) -> None:
+def _run_ok(
+    prefill: RankProc, decode: RankProc, reqs: list[Request], addr: str, timeout: float = 30
+) -> None:
     """Serve ``reqs`` through one prefill and one decode; all must arrive byte-exact."""
     prefill.call("expect", reqs=reqs)
     assert decode.call("submit", reqs=reqs, addr=addr) == {}
@@ -68,7 +74,9 @@ def _run_ok(prefill: RankProc, decode: RankProc, reqs: list[Request], addr: str,
     assert all(r["ok"] for r in sent.values()), sent
 
 
-def _hold(prefill: RankProc, decode: RankProc, reqs: list[Request], addr: str, timeout: float = 30) -> None:
+def _hold(
+    prefill: RankProc, decode: RankProc, reqs: list[Request], addr: str, timeout: float = 30
+) -> None:
     """Start ``reqs`` with the prefill holding each last chunk; return once every room's
     first chunk has landed on the decode (the rooms are then mid-transfer)."""
     prefill.call("expect", reqs=reqs, plans={r.room: "hold" for r in reqs})
@@ -84,6 +92,19 @@ def _hold(prefill: RankProc, decode: RankProc, reqs: list[Request], addr: str, t
     assert not decode.done(set(want)), "a held room finished early"
 
 
+def _stays_held(prefill: RankProc, decode: RankProc, rooms: set[int], seconds: float) -> None:
+    """Observe for ``seconds`` that no room of ``rooms`` ends on either side: healthy peers
+    with rooms pending past the ping deadline must not be declared dead."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        ended = set(decode.done(rooms)) | set(prefill.done(rooms))
+        assert not ended, (
+            f"{len(ended)} held rooms ended while both sides were healthy: "
+            f"{list(decode.done(rooms).values())[:2]} {list(prefill.done(rooms).values())[:2]}"
+        )
+        time.sleep(0.1)  # observation window of a bounded check, not synchronisation
+
+
 # ---------------------------------------------------------------------------------------
 # 1. prefill killed mid-transfer
 # ---------------------------------------------------------------------------------------
@@ -93,8 +114,10 @@ def _hold(prefill: RankProc, decode: RankProc, reqs: list[Request], addr: str, t
 def test_prefill_killed_mid_transfer_fails_its_rooms_fast(tmp_path: Path) -> None:
     """SIGKILL one prefill instance (its bootstrap server is a separate process and stays
     up) while rooms to it are mid-transfer: every such decode request fails within 2 s
-    with a reason naming that prefill rank; requests to the healthy instance go on."""
-    with FaultCluster(TINY, tmp_path) as c:
+    with a reason naming that prefill rank; requests to the healthy instance go on. Before
+    the kill, the rooms are held past the ping deadline: healthy peers stay alive (each side
+    answers the other's pings)."""
+    with FaultCluster(TINY, tmp_path, SHORT_PINGS) as c:
         port0, port1 = free_port(), free_port()
         # All start at once: a prefill retries its bootstrap registration for ~15 s.
         boot0 = c.bootstrap("boot0", port0)
@@ -113,6 +136,8 @@ def test_prefill_killed_mid_transfer_fails_its_rooms_fast(tmp_path: Path) -> Non
         _hold(p0, d, to0, addr0)
         _hold(p1, d, to1, addr1)
         poll_until(lambda: d.call("state")["watched"], lambda w: w.get(dead) is True, 10)
+        # Held past the ping deadline, the rooms live on: both sides answer pings.
+        _stays_held(p0, d, _rooms(to0), SHORT_PING_DEADLINE_S + 1)
 
         t_kill = p0.kill()
         failed = d.wait_done(_rooms(to0), 20)
@@ -124,7 +149,9 @@ def test_prefill_killed_mid_transfer_fails_its_rooms_fast(tmp_path: Path) -> Non
             if r["t"] - t_kill > PREFILL_DEATH_S:
                 late[room] = r["t"] - t_kill
         detect = max(r["t"] - t_kill for r in failed.values())
-        print(f"\nprefill kill -> decode failure: max {detect * 1e3:.0f} ms over {len(failed)} rooms")
+        print(
+            f"\nprefill kill -> decode failure: max {detect * 1e3:.0f} ms over {len(failed)} rooms"
+        )
         assert not late, f"failures observed later than {PREFILL_DEATH_S}s after the kill: {late}"
 
         # The healthy instance: its held rooms were untouched and complete byte-exact.
@@ -169,6 +196,9 @@ def test_decode_killed_mid_transfer_prefill_cleans_up(tmp_path: Path) -> None:
 
         held = make_requests(8, 22, tokens=(48, 128), chunks=2)
         _hold(p, d0, held, addr)
+        # The prefill watches decodes it owes data: wait until that connection is up.
+        target = (d0.info["ip"], d0.info["port"])
+        poll_until(lambda: p.call("state")["watched"], lambda w: w.get(target) is True, 10)
 
         # Half the rooms stay held (they must fail); the other half's last chunks are
         # posted as the decode is killed, so their WRITEs race the death of their target
@@ -179,23 +209,28 @@ def test_decode_killed_mid_transfer_prefill_cleans_up(tmp_path: Path) -> None:
         t_kill = d0.kill()
         posted = p.result(rid)
         ended = p.wait_done(_rooms(held), 2 * DECODE_DEATH_S)
-        assert not any(ended[room]["ok"] for room in stay), ended
-        reasons = Counter(
-            (r["reason"] or "ok").split("): ", 1)[-1][:70] for r in ended.values()
-        )
+        for room in stay:
+            r = ended[room]
+            assert not r["ok"] and f"{target[0]}:{target[1]}" in r["reason"], r
+        reasons = Counter((r["reason"] or "ok").split("): ", 1)[-1][:70] for r in ended.values())
 
         def clean(st: dict[str, Any]) -> bool:
             t = st["tables"]
             return (
-                not _room_tables(t) and t["nixl.xfer"] == 0
-                and t["nixl.peer"] == one_peer["nixl.peer"] and t["nixl.dlist"] == one_peer["nixl.dlist"]
-                and st["peers"] == [d1.info["agent"]] and st["active"] == 0
+                not _room_tables(t)
+                and t["nixl.xfer"] == 0
+                and t["nixl.peer"] == one_peer["nixl.peer"]
+                and t["nixl.dlist"] == one_peer["nixl.dlist"]
+                and st["peers"] == [d1.info["agent"]]
+                and st["active"] == 0
             )
 
         try:
             st, t_clean = poll_until(lambda: p.call("state"), clean, 3 * DECODE_DEATH_S, 0.02)
         except TimeoutError as exc:
-            raise AssertionError(f"prefill did not clean up after the dead decode: {exc}\n{c.logs()}") from None
+            raise AssertionError(
+                f"prefill did not clean up after the dead decode: {exc}\n{c.logs()}"
+            ) from None
         fail_s = max(ended[room]["t"] for room in stay) - t_kill
         print(
             f"\ndecode kill -> prefill rooms failed {fail_s * 1e3:.0f} ms, state clean "
@@ -231,8 +266,11 @@ def test_prefill_restart_on_same_bootstrap_decode_recovers(tmp_path: Path) -> No
         def dropped(ep: tuple[str, int]) -> Any:
             return poll_until(
                 lambda: d.call("state"),
-                lambda st: ep not in st["known"] and ep not in st["watched"]
-                and f"tcp://{ep[0]}:{ep[1]}" not in st["sockets"],
+                lambda st: (
+                    ep not in st["known"]
+                    and ep not in st["watched"]
+                    and f"tcp://{ep[0]}:{ep[1]}" not in st["sockets"]
+                ),
                 5,
             )
 
@@ -247,7 +285,9 @@ def test_prefill_restart_on_same_bootstrap_decode_recovers(tmp_path: Path) -> No
         _run_ok(second, d, make_requests(6, 31, tokens=(16, 128), chunks=2), addr)
         st = d.call("state")
         assert st["known"] == [new], st
-        print(f"\nidle prefill kill -> decode dropped its route in {(t_drop - t_kill) * 1e3:.0f} ms")
+        print(
+            f"\nidle prefill kill -> decode dropped its route in {(t_drop - t_kill) * 1e3:.0f} ms"
+        )
 
         # (b) killed mid-transfer: the held rooms fail naming the old rank, then recovery.
         held = make_requests(4, 32, tokens=(48, 128), chunks=2)
@@ -273,8 +313,10 @@ def test_prefill_restart_on_same_bootstrap_decode_recovers(tmp_path: Path) -> No
 #: 512 KiB pages (16 regions x 8 heads x 256 B x 16 tokens): a room's last chunk is a
 #: multi-MiB WRITE, so the abort has a chance to arrive while it is in flight.
 BIG = Workload(
-    ModelShape("abort-test", layers=8, kv_heads=8, head_dim=128), page_size=PAGE,
-    max_tokens=256, concurrency=12,
+    ModelShape("abort-test", layers=8, kv_heads=8, head_dim=128),
+    page_size=PAGE,
+    max_tokens=256,
+    concurrency=12,
 )
 
 
@@ -305,17 +347,23 @@ def test_decode_abort_ack_only_after_writes_drained(tmp_path: Path, path: str) -
             reqs = make_requests(10, 41 + attempt, tokens=(224, 256), chunks=2)
             rooms = _rooms(reqs)
             _hold(p, d, reqs, addr)
-            d.call("arm_abort", rooms=sorted(rooms), from_page={r.room: _first_chunk(r) for r in reqs})
+            d.call(
+                "arm_abort", rooms=sorted(rooms), from_page={r.room: _first_chunk(r) for r in reqs}
+            )
             p.call("release", rooms=sorted(rooms))
 
-            def progress() -> tuple[dict[int, Any], set[int], set[int]]:
+            def progress(rooms: set[int] = rooms) -> tuple[dict[int, Any], set[int], set[int]]:
                 aborted = {e["room"]: e for e in d.events("aborted") if e["room"] in rooms}
                 return aborted, {e["room"] for e in d.events("acked")}, set(d.done(rooms))
 
+            def settled(
+                v: tuple[dict[int, Any], set[int], set[int]], rooms: set[int] = rooms
+            ) -> bool:
+                aborted, acked, finished = v
+                return (set(aborted) | finished) >= rooms and set(aborted) <= acked
+
             try:
-                (aborted, acked, finished), _ = poll_until(
-                    progress, lambda v: (set(v[0]) | v[2]) >= rooms and set(v[0]) <= v[1], 15
-                )
+                (aborted, acked, finished), _ = poll_until(progress, settled, 15)
             except TimeoutError as exc:
                 raise AssertionError(f"ABORT_ACK missing: {exc}\n{c.logs()}") from None
             # Let the prefill finish everything else: every room ended, nothing in flight.
@@ -329,10 +377,14 @@ def test_decode_abort_ack_only_after_writes_drained(tmp_path: Path, path: str) -
             touched = {room: v for room, v in changed.items() if v["changed"]}
             assert not touched, f"bytes changed after ABORT_ACK: {touched}\n{c.logs()}"
             _assert_byte_exact(d.done(finished))
-            stats += [(e["landing"], e["of"], changed[room]["landed_at_ack"]) for room, e in aborted.items()]
+            stats += [
+                (e["landing"], e["of"], changed[room]["landed_at_ack"])
+                for room, e in aborted.items()
+            ]
             if any(landing < of for landing, of, _ in stats):
                 break  # an abort landed while the last chunk was only partly written
-        print(f"\n{path}: aborts (chunk pages landing at abort / of, pages complete at ack): {sorted(stats)}")
+        print(f"\n{path}: aborts (last-chunk pages landed at abort / of them, pages complete")
+        print(f"at ack): {sorted(stats)}")
         assert stats, "no room could be aborted mid-transfer"
         st = d.call("state")
         assert not _room_tables(st["tables"]), st["tables"]
@@ -368,13 +420,17 @@ def test_network_partition_fails_rooms_within_liveness_deadline(tmp_path: Path) 
         with FaultCluster(TINY, tmp_path, common) as c:
             port = free_port()
             p = c.prefill(
-                "prefill0", port, serve_bootstrap=True, netns=net.ns[0],
+                "prefill0",
+                port,
+                serve_bootstrap=True,
+                netns=net.ns[0],
                 env={"SGLANG_HOST_IP": net.addr[0], "UCX_NET_DEVICES": net.dev[0]},
                 # inside the namespace only: its loopback (where the prefill registers) and the veth
                 opts={"bootstrap_host": "0.0.0.0"},
             )
             d = c.decode(
-                "decode0", netns=net.ns[1],
+                "decode0",
+                netns=net.ns[1],
                 env={"SGLANG_HOST_IP": net.addr[1], "UCX_NET_DEVICES": net.dev[1]},
             )
             c.ready()
@@ -385,6 +441,9 @@ def test_network_partition_fails_rooms_within_liveness_deadline(tmp_path: Path) 
             held = make_requests(8, 51, tokens=(48, 128), chunks=2)
             _hold(p, d, held, addr)
             into_void = sorted(_rooms(held))[:4]
+            # Before the cut, held rooms outlive the ping deadline: failures below are the
+            # partition's, not a healthy peer declared dead.
+            _stays_held(p, d, _rooms(held), deadline + 1)
 
             t_cut = time.time()
             net.link(0, "down")
@@ -411,10 +470,13 @@ def test_network_partition_fails_rooms_within_liveness_deadline(tmp_path: Path) 
                 _, t_drained = poll_until(
                     lambda: p.call("state")["tables"],
                     lambda t: not _room_tables(t) and t["nixl.xfer"] == 0,
-                    60, 0.1,
+                    60,
+                    0.1,
                 )
             except TimeoutError as exc:
-                raise AssertionError(f"prefill state did not drain after the link came back: {exc}\n{c.logs()}") from None
+                raise AssertionError(
+                    f"prefill state did not drain after the link came back: {exc}\n{c.logs()}"
+                ) from None
             t0 = time.time()
             _run_ok(p, d, make_requests(8, 52, tokens=(16, 128), chunks=2), addr, timeout=60)
             print(

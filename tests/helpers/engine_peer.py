@@ -160,9 +160,16 @@ def _serve(conn: Any, spec: PeerSpec) -> None:
             for g, rs in memory.groups().items()
         }
         conn.send(("ok", {"name": engine.name, "metadata": engine.metadata, "layout": layout}))
+        idle_until = time.monotonic() + IDLE_EXIT_S
         while True:
-            if not conn.poll(IDLE_EXIT_S):
-                return
+            # A target must progress its agent for two-sided transports (UCX over TCP here),
+            # as the decode listener does: every millisecond while waiting for a command.
+            if not conn.poll(0.001):
+                engine.agent.progress()
+                if time.monotonic() > idle_until:
+                    return
+                continue
+            idle_until = time.monotonic() + IDLE_EXIT_S
             try:
                 op, args = conn.recv()
             except (EOFError, OSError):

@@ -28,7 +28,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -106,17 +106,26 @@ class RankProc:
 
         parent, child = socket.socketpair()
         env = clean_env({**LOOPBACK_ENV, **FAULT_ENV, **self.spec.env, **self.env})
-        env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, env.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        )
         argv = [
-            sys.executable, "-c",
+            sys.executable,
+            "-c",
             f"from helpers.faults import child_main; child_main({child.fileno()})",
         ]
         if self.netns:
             argv = ["ip", "netns", "exec", self.netns, *argv]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                pass_fds=[child.fileno()], cwd=TESTS_DIR, start_new_session=True,
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=[child.fileno()],
+                cwd=TESTS_DIR,
+                start_new_session=True,
             )
         child.close()
         self.conn = Connection(parent.detach())
@@ -181,7 +190,9 @@ class RankProc:
             try:
                 msg = self.conn.recv()
             except (EOFError, OSError) as exc:
-                raise RankDied(f"{self.name} is gone (exit {self.proc.poll() if self.proc else None})") from exc
+                raise RankDied(
+                    f"{self.name} is gone (exit {self.proc.poll() if self.proc else None})"
+                ) from exc
             kind = msg[0]
             if kind == "event":
                 self._events.append(msg[1])
@@ -231,14 +242,14 @@ class RankProc:
             seen = len(self._events)
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"{self.name}: no matching event in {timeout:.0f}s\n{self.log_tail()}")
+                raise TimeoutError(
+                    f"{self.name}: no matching event in {timeout:.0f}s\n{self.log_tail()}"
+                )
             self._pump(min(left, 0.2))
 
     def done(self, rooms: set[int] | None = None) -> dict[int, dict[str, Any]]:
         """Final results reported so far, per room."""
-        return {
-            e["room"]: e for e in self.events("done") if rooms is None or e["room"] in rooms
-        }
+        return {e["room"]: e for e in self.events("done") if rooms is None or e["room"] in rooms}
 
     def wait_done(self, rooms: set[int], timeout: float) -> dict[int, dict[str, Any]]:
         """Bounded wait until every room in ``rooms`` reported its final result."""
@@ -288,8 +299,14 @@ class FaultCluster:
 
     def spec(self, role: str, instance: int = 0, bootstrap_port: int = 0, **kw: Any) -> RankSpec:
         return RankSpec(
-            role, instance, 1, 0, self.workload, bootstrap_port=bootstrap_port,
-            env={**self.env, **kw.pop("env", {})}, **kw,
+            role,
+            instance,
+            1,
+            0,
+            self.workload,
+            bootstrap_port=bootstrap_port,
+            env={**self.env, **kw.pop("env", {})},
+            **kw,
         )
 
     def add(self, name: str, spec: RankSpec, **kw: Any) -> RankProc:
@@ -301,7 +318,9 @@ class FaultCluster:
         port = port or free_port()
         return self.add(name, self.spec("bootstrap", bootstrap_port=port), **kw)
 
-    def prefill(self, name: str, port: int, serve_bootstrap: bool, instance: int = 0, **kw: Any) -> RankProc:
+    def prefill(
+        self, name: str, port: int, serve_bootstrap: bool, instance: int = 0, **kw: Any
+    ) -> RankProc:
         spec = self.spec("prefill", instance, bootstrap_port=port, serve_bootstrap=serve_bootstrap)
         return self.add(name, spec, **kw)
 
@@ -325,11 +344,19 @@ class FaultCluster:
                     r.proc.kill()
 
 
-def make_requests(n: int, seed: int, *, tokens: tuple[int, int], chunks: int = 1, contiguous: bool = False) -> list[Request]:
+def make_requests(
+    n: int, seed: int, *, tokens: tuple[int, int], chunks: int = 1, contiguous: bool = False
+) -> list[Request]:
     """``n`` requests with fresh random rooms (``chunks`` > 1 lets a prefill hold the last)."""
     rng = np.random.default_rng(seed)
     return [
-        Request(int(rng.integers(1, 2**63 - 1)), int(rng.integers(tokens[0], tokens[1] + 1)), chunks, contiguous, True)
+        Request(
+            int(rng.integers(1, 2**63 - 1)),
+            int(rng.integers(tokens[0], tokens[1] + 1)),
+            chunks,
+            contiguous,
+            True,
+        )
         for _ in range(n)
     ]
 
@@ -386,7 +413,20 @@ def netns_pair() -> Iterator[NetnsPair]:
         for ns in pair.ns:
             _ip("netns", "add", ns)
             made.append(ns)
-        _ip("-n", pair.ns[0], "link", "add", pair.dev[0], "type", "veth", "peer", "name", pair.dev[1], "netns", pair.ns[1])
+        _ip(
+            "-n",
+            pair.ns[0],
+            "link",
+            "add",
+            pair.dev[0],
+            "type",
+            "veth",
+            "peer",
+            "name",
+            pair.dev[1],
+            "netns",
+            pair.ns[1],
+        )
         for side in (0, 1):
             pair.ip(side, "addr", "add", f"{pair.addr[side]}/24", "dev", pair.dev[side])
             pair.ip(side, "link", "set", pair.dev[side], "up")
@@ -411,7 +451,7 @@ class _PRoom:
     sender: Any
     pages: np.ndarray
     slot: int
-    plan: str = "normal"  # normal | hold | abort_before | abort_mid
+    plan: str = "normal"  # normal | hold (send every chunk but the last until ``release``)
     parts: list[np.ndarray] = field(default_factory=list)
     next_part: int = 0
     inited: bool = False
@@ -441,7 +481,9 @@ class _DRoom:
 class _Rank:
     """Shared plumbing: the command loop, events and resource probes."""
 
-    def __init__(self, conn: Connection, spec: RankSpec, opts: dict[str, Any], deadline: float) -> None:
+    def __init__(
+        self, conn: Connection, spec: RankSpec, opts: dict[str, Any], deadline: float
+    ) -> None:
         self.conn = conn
         self.spec = spec
         self.opts = opts
@@ -517,7 +559,9 @@ def _thread_cpu() -> dict[str, float]:
 
 
 class _BootstrapRank(_Rank):
-    def __init__(self, conn: Connection, spec: RankSpec, opts: dict[str, Any], deadline: float) -> None:
+    def __init__(
+        self, conn: Connection, spec: RankSpec, opts: dict[str, Any], deadline: float
+    ) -> None:
         super().__init__(conn, spec, opts, deadline)
         self.env = _setup(spec)
         host = opts.get("bootstrap_host", "127.0.0.1")
@@ -537,7 +581,9 @@ def _fill_slot(pools: Pools, room: int, slot: int, with_state: bool) -> None:
 
 
 class _PrefillRank(_Rank):
-    def __init__(self, conn: Connection, spec: RankSpec, opts: dict[str, Any], deadline: float) -> None:
+    def __init__(
+        self, conn: Connection, spec: RankSpec, opts: dict[str, Any], deadline: float
+    ) -> None:
         super().__init__(conn, spec, opts, deadline)
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -551,16 +597,24 @@ class _PrefillRank(_Rank):
             host = opts.get("bootstrap_host", "127.0.0.1")
             self.server = cls["bootstrap_server"](host=host, port=spec.bootstrap_port)
         self.mgr = cls["manager"](
-            self.pools.kv_args(cls["kvargs"], spec), DisaggregationMode.PREFILL,
-            self.env["server_args"], spec.workload.shape.mla,
+            self.pools.kv_args(cls["kvargs"], spec),
+            DisaggregationMode.PREFILL,
+            self.env["server_args"],
+            spec.workload.shape.mla,
         )
-        self.page_pool = PagePool(self.pools.pages, seed=spec.workload.seed + 17 * spec.instance + 1)
+        self.page_pool = PagePool(
+            self.pools.pages, seed=spec.workload.seed + 17 * spec.instance + 1
+        )
         self.slots = list(range(1, self.pools.aux_rows))
         self.active: dict[int, _PRoom] = {}
         self.bootstrap_addr = f"127.0.0.1:{spec.bootstrap_port}"
         self.emit(
-            "ready", pid=os.getpid(), ip=self.mgr.local_ip, port=self.mgr.rank_port,
-            agent=self.mgr.engine.name, bootstrap_port=spec.bootstrap_port,
+            "ready",
+            pid=os.getpid(),
+            ip=self.mgr.local_ip,
+            port=self.mgr.rank_port,
+            agent=self.mgr.engine.name,
+            bootstrap_port=spec.bootstrap_port,
         )
 
     def close(self) -> None:
@@ -579,9 +633,17 @@ class _PrefillRank(_Rank):
             slot = self.slots.pop()
             self.pools.fill(r.room, pages)
             _fill_slot(self.pools, r.room, slot, r.with_state)
-            sender = self.cls["sender"](mgr=self.mgr, bootstrap_addr=self.bootstrap_addr, bootstrap_room=r.room)
-            self.active[r.room] = _PRoom(r, sender, pages, slot, plans.get(r.room, "normal"),
-                                         parts=np.array_split(pages, r.chunks))
+            sender = self.cls["sender"](
+                mgr=self.mgr, bootstrap_addr=self.bootstrap_addr, bootstrap_room=r.room
+            )
+            self.active[r.room] = _PRoom(
+                r,
+                sender,
+                pages,
+                slot,
+                plans.get(r.room, "normal"),
+                parts=np.array_split(pages, r.chunks),
+            )
         return len(self.active)
 
     def do_release(self, rooms: list[int]) -> list[int]:
@@ -603,14 +665,9 @@ class _PrefillRank(_Rank):
         return {
             "tables": _tables(mgr),
             "peers": sorted(mgr.control.peers),
-            "watched": _keys(mgr.control.watch._peers),
+            "watched": {ep: w.connected for ep, w in list(mgr.control.watch._peers.items())},
             "active": len(self.active),
         }
-
-    def do_sender_abort(self, rooms: list[int]) -> None:
-        for room in rooms:
-            if room in self.active:
-                self.active[room].sender.abort()
 
     def do_soak(self, plan: SoakPlan) -> dict[str, Any]:
         return soak_prefill(self, plan)
@@ -630,23 +687,15 @@ class _PrefillRank(_Rank):
         for room, ctx in list(self.active.items()):
             status = ctx.sender.poll()
             if status == KVPoll.WaitingForInput and not ctx.inited:
-                if ctx.plan == "abort_before":
-                    ctx.sender.abort()
-                    continue
                 ctx.inited = True
                 ctx.sender.init(len(ctx.pages), ctx.slot)
-                if ctx.plan in ("hold", "abort_mid"):
-                    self._send_parts(ctx, len(ctx.parts) - 1)
-                    ctx.held = ctx.plan == "hold"
-                    if ctx.plan == "abort_mid":
-                        ctx.sender.abort()
-                else:
-                    self._send_parts(ctx, len(ctx.parts))
+                ctx.held = ctx.plan == "hold"
+                self._send_parts(ctx, len(ctx.parts) - 1 if ctx.held else len(ctx.parts))
             elif status in (KVPoll.Success, KVPoll.Failed):
                 self._finish(room, ctx, status == KVPoll.Success)
         return bool(self.active)
 
-    def _finish(self, room: int, ctx: _PRoom, ok: bool) -> str | None:
+    def _finish(self, room: int, ctx: _PRoom, ok: bool) -> None:
         reason = None
         if ok:
             ctx.sender.clear()
@@ -659,11 +708,12 @@ class _PrefillRank(_Rank):
         self.slots.append(ctx.slot)
         del self.active[room]
         self.emit("done", room=room, ok=ok, reason=reason)
-        return reason
 
 
 class _DecodeRank(_Rank):
-    def __init__(self, conn: Connection, spec: RankSpec, opts: dict[str, Any], deadline: float) -> None:
+    def __init__(
+        self, conn: Connection, spec: RankSpec, opts: dict[str, Any], deadline: float
+    ) -> None:
         super().__init__(conn, spec, opts, deadline)
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -673,19 +723,31 @@ class _DecodeRank(_Rank):
         cls = self.cls = self.env["classes"]
         self.pools = Pools(spec)
         self.mgr = cls["manager"](
-            self.pools.kv_args(cls["kvargs"], spec), DisaggregationMode.DECODE,
-            self.env["server_args"], spec.workload.shape.mla,
+            self.pools.kv_args(cls["kvargs"], spec),
+            DisaggregationMode.DECODE,
+            self.env["server_args"],
+            spec.workload.shape.mla,
         )
-        self.page_pool = PagePool(self.pools.pages, seed=spec.workload.seed + 31 * spec.instance + 2)
+        self.page_pool = PagePool(
+            self.pools.pages, seed=spec.workload.seed + 31 * spec.instance + 2
+        )
         self.slots = list(range(1, self.pools.aux_rows))
         self.active: dict[int, _DRoom] = {}
-        self.emit("ready", pid=os.getpid(), ip=self.mgr.local_ip, port=self.mgr.rank_port, agent=self.mgr.engine.name)
+        self.emit(
+            "ready",
+            pid=os.getpid(),
+            ip=self.mgr.local_ip,
+            port=self.mgr.rank_port,
+            agent=self.mgr.engine.name,
+        )
 
     def close(self) -> None:
         self.mgr.close()
 
     # -- commands ------------------------------------------------------------------------
-    def do_submit(self, reqs: list[Request], addr: str, short: list[int] | None = None) -> dict[int, str]:
+    def do_submit(
+        self, reqs: list[Request], addr: str, short: list[int] | None = None
+    ) -> dict[int, str]:
         """Allocate pages and send each request's metadata (``short`` rooms get one page
         fewer than the prefill sends: a transfer the prefill must fail). Returns the rooms
         that could not start, with why."""
@@ -696,7 +758,9 @@ class _DecodeRank(_Rank):
                 problems[r.room] = why
         return problems
 
-    def start_room(self, r: Request, addr: str, short: bool = False, zero: bool = True) -> str | None:
+    def start_room(
+        self, r: Request, addr: str, short: bool = False, zero: bool = True
+    ) -> str | None:
         mgr, pools = self.mgr, self.pools
         if not mgr.try_ensure_parallel_info(addr):
             return f"no parallel info from {addr}"
@@ -736,7 +800,9 @@ class _DecodeRank(_Rank):
         ctx.aborted, ctx.keep = True, keep
         rcv = ctx.receiver
         # SGLang's DecodeTransferQueue._defer_release: one ack per prefill rank notified.
-        ctx.required_acks = len(rcv.bootstrap_infos) if rcv.abort_notified and rcv.bootstrap_infos else 0
+        ctx.required_acks = (
+            len(rcv.bootstrap_infos) if rcv.abort_notified and rcv.bootstrap_infos else 0
+        )
 
     def do_arm_abort(self, rooms: list[int], from_page: dict[int, int], keep: bool = True) -> None:
         """Abort each room from this loop as soon as any byte of its pages from
@@ -763,7 +829,8 @@ class _DecodeRank(_Rank):
         """How many pages of each active room already hold the expected bytes."""
         return {
             room: int(page_matches(self.pools, room, self.active[room].pages).sum())
-            for room in rooms if room in self.active
+            for room in rooms
+            if room in self.active
         }
 
     def do_check_unchanged(self, rooms: list[int]) -> dict[int, dict[str, int]]:
@@ -777,7 +844,9 @@ class _DecodeRank(_Rank):
                 out[room] = {"changed": -1, "landed_at_ack": -1}
                 continue
             now = self._snap(ctx)
-            changed = sum(int(np.count_nonzero(a != b)) for a, b in zip(ctx.snapshot, now, strict=True))
+            changed = sum(
+                int(np.count_nonzero(a != b)) for a, b in zip(ctx.snapshot, now, strict=True)
+            )
             out[room] = {"changed": changed, "landed_at_ack": ctx.snapshot_landed}
             self._release(room, ctx)
         return out
@@ -803,7 +872,10 @@ class _DecodeRank(_Rank):
     def _snap(self, ctx: _DRoom) -> list[np.ndarray]:
         p = self.pools
         out = [p.region_words(k)[ctx.pages].copy() for k in range(len(p.kv_ptrs))]
-        out += [buf[ctx.slot * n : (ctx.slot + 1) * n].copy() for buf, n in zip(p.aux, AUX_ITEM_BYTES, strict=False)]
+        out += [
+            buf[ctx.slot * n : (ctx.slot + 1) * n].copy()
+            for buf, n in zip(p.aux, AUX_ITEM_BYTES, strict=False)
+        ]
         if ctx.req.with_state:
             out.append(np.array(p.state_row(ctx.slot), copy=True))
         return out
@@ -896,7 +968,9 @@ def verify_room(pools: Pools, ctx: _DRoom) -> dict[str, int]:
         for b, (buf, n) in enumerate(zip(pools.aux, AUX_ITEM_BYTES, strict=False))
     )
     if ctx.req.with_state:
-        out["bad_state"] = int(not np.array_equal(pools.state_row(slot), state_pattern(room, STATE_ITEM_BYTES)))
+        out["bad_state"] = int(
+            not np.array_equal(pools.state_row(slot), state_pattern(room, STATE_ITEM_BYTES))
+        )
     return out
 
 
@@ -919,9 +993,11 @@ class SoakPlan:
     time_limit_s: float = 150.0
 
     def fate(self, i: int) -> str:
-        """ok | decode_abort (decode aborts mid-flight) | client_abort (prefill sender.abort()
-        at WaitingForInput, and the decode aborts too, as a client abort reaches both) |
-        mismatch (decode offers one page fewer: the prefill fails the transfer)."""
+        """ok | decode_abort (the decode aborts 0-3 polls after sending its metadata) |
+        client_abort (prefill ``sender.abort()``: before any chunk for one-chunk requests,
+        after the first chunk otherwise; the decode aborts too, as a client abort reaches
+        both servers) | mismatch (the decode offers one page fewer than the prefill sends:
+        the prefill fails the transfer and tells the decode)."""
         if i % self.decode_abort_every == 3:
             return "decode_abort"
         if i % self.client_abort_every == 5:
@@ -962,21 +1038,26 @@ def soak_prefill(rank: _PrefillRank, plan: SoakPlan) -> dict[str, Any]:
             slot = rank.slots.pop()
             pools.fill(r.room, pages)
             _fill_slot(pools, r.room, slot, r.with_state)
-            sender = rank.cls["sender"](mgr=rank.mgr, bootstrap_addr=rank.bootstrap_addr, bootstrap_room=r.room)
+            sender = rank.cls["sender"](
+                mgr=rank.mgr, bootstrap_addr=rank.bootstrap_addr, bootstrap_room=r.room
+            )
             active[r.room] = [i, sender, pages, slot, False]
         for room, ctx in list(active.items()):
             i, sender, pages, slot, inited = ctx
             status = sender.poll()
             if status == KVPoll.WaitingForInput and not inited:
-                if fates[i] == "client_abort":
-                    sender.abort()
+                r = reqs[i]
+                if fates[i] == "client_abort" and r.chunks == 1:
+                    sender.abort()  # before any chunk was sent
                     continue
                 ctx[4] = True
                 sender.init(len(pages), slot)
-                r = reqs[i]
                 parts = np.array_split(pages, r.chunks)
                 for k, part in enumerate(parts):
                     last = k == len(parts) - 1
+                    if last and fates[i] == "client_abort":
+                        sender.abort()  # mid-transfer: after the first chunk
+                        break
                     state = [np.array([slot], dtype=np.int32)] if (last and r.with_state) else None
                     sender.send(part.astype(np.int32), state_indices=state)
             elif status in (KVPoll.Success, KVPoll.Failed):
@@ -994,7 +1075,11 @@ def soak_prefill(rank: _PrefillRank, plan: SoakPlan) -> dict[str, Any]:
                 del active[room]
                 done += 1
                 if done == plan.warmup:
-                    rss_warm, tables_warm, t_warm = _rss_after_gc(), _tables(rank.mgr), time.monotonic()
+                    rss_warm, tables_warm, t_warm = (
+                        _rss_after_gc(),
+                        _tables(rank.mgr),
+                        time.monotonic(),
+                    )
         time.sleep(0.0005)
     t_end = time.monotonic()
     # Let the transfer workers settle the last rooms (bounded), then read the tables.
@@ -1002,10 +1087,16 @@ def soak_prefill(rank: _PrefillRank, plan: SoakPlan) -> dict[str, Any]:
     while time.monotonic() < settle and any(w_.rooms for w_ in rank.mgr.workers):
         time.sleep(0.01)
     return {
-        "done": done, "unfinished": len(pending) + len(active), "outcomes": dict(outcomes),
-        "rss_warm": rss_warm, "rss_end": _rss_after_gc(), "tables_warm": tables_warm,
-        "tables_end": _tables(rank.mgr), "peers": sorted(rank.mgr.control.peers),
-        "wall_s": t_end - t_start, "steady_s": (t_end - t_warm) if t_warm else None,
+        "done": done,
+        "unfinished": len(pending) + len(active),
+        "outcomes": dict(outcomes),
+        "rss_warm": rss_warm,
+        "rss_end": _rss_after_gc(),
+        "tables_warm": tables_warm,
+        "tables_end": _tables(rank.mgr),
+        "peers": sorted(rank.mgr.control.peers),
+        "wall_s": t_end - t_start,
+        "steady_s": (t_end - t_warm) if t_warm else None,
     }
 
 
@@ -1092,11 +1183,20 @@ def soak_decode(rank: _DecodeRank, plan: SoakPlan) -> dict[str, Any]:
         time.sleep(0.0005)
     t_end = time.monotonic()
     return {
-        "done": done, "unfinished": len(pending) + len(active), "outcomes": dict(outcomes),
-        "bad": bad[:10], "n_bad": len(bad), "unacked": unacked,
+        "done": done,
+        "unfinished": len(pending) + len(active),
+        "outcomes": dict(outcomes),
+        "bad": bad[:10],
+        "n_bad": len(bad),
+        "unacked": unacked,
         "ack_wait_max_s": max(ack_wait, default=0.0),
-        "rss_warm": rss_warm, "rss_end": _rss_after_gc(), "tables_warm": tables_warm,
-        "tables_end": _tables(rank.mgr), "wall_s": t_end - t_start,
+        "ack_wait_p99_s": float(np.percentile(ack_wait, 99)) if ack_wait else 0.0,
+        "ack_wait_slow": sorted(ack_wait)[-5:],
+        "rss_warm": rss_warm,
+        "rss_end": _rss_after_gc(),
+        "tables_warm": tables_warm,
+        "tables_end": _tables(rank.mgr),
+        "wall_s": t_end - t_start,
         "steady_s": (t_end - t_warm) if t_warm else None,
     }
 
@@ -1128,7 +1228,9 @@ def child_main(fd: int) -> None:
         pass  # the test process went away
     except BaseException:
         try:
-            conn.send(("event", {"kind": "fatal", "t": time.time(), "error": traceback.format_exc()}))
+            conn.send(
+                ("event", {"kind": "fatal", "t": time.time(), "error": traceback.format_exc()})
+            )
         except Exception:
             pass
         traceback.print_exc()
@@ -1144,6 +1246,14 @@ def child_main(fd: int) -> None:
 
 
 __all__ = [
-    "FAULT_ENV", "FaultCluster", "NetnsPair", "RankDied", "RankProc", "SoakPlan",
-    "make_requests", "netns_pair", "netns_unavailable", "poll_until", "replace",
+    "FAULT_ENV",
+    "FaultCluster",
+    "NetnsPair",
+    "RankDied",
+    "RankProc",
+    "SoakPlan",
+    "make_requests",
+    "netns_pair",
+    "netns_unavailable",
+    "poll_until",
 ]
