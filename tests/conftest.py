@@ -9,4 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes ``helpers`` importable
 
+# prometheus-client picks single- or multi-process mode once, when first imported, from
+# PROMETHEUS_MULTIPROC_DIR. Some tests set that variable for the rank processes they start;
+# import it now, unset, so this process's own metrics stay in the default registry.
+import prometheus_client  # noqa: E402,F401
 from helpers.fixtures import *  # noqa: E402,F403

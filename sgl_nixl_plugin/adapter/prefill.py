@@ -383,8 +383,9 @@ class PrefillControl:
                     problem = validate_items(s, g.remote_items if g else 0, f"state[{i}]")
         if problem is not None:
             mgr.codec.rejections.reject("index_out_of_range", f"room {room}: {problem}", req.agent_name)
+            # Only the sender of the bad request is told: a forged request must not be able
+            # to fail a room that its real decode is about to claim.
             mgr.send_to(target, TransferStatus(room, FAILED, mgr.prefill_rank_id, problem))
-            self._fail_locally(room, problem)
             return
         infos = mgr.transfer_infos.setdefault(room, {})
         if req.agent_name in infos:
