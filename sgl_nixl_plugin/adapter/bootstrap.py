@@ -147,6 +147,12 @@ class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
                 for k, (rank, size) in ranks.items() if rank >= size]
         return ("topology differs from the ranks already registered: " + ", ".join(bad)) if bad else ""
 
+    def close(self) -> None:
+        """Stop the server thread; safe even before its event loop has started."""
+        if getattr(self, "_loop", None) is None:
+            self._loop = None  # SGLang's close() reads it; the thread will find no loop to run
+        super().close()
+
     def _is_ready(self) -> bool:
         if None in (self.attn_tp_size, self.attn_cp_size, self.pp_size, self.dp_size):
             return False

@@ -114,8 +114,8 @@ def _single_role(args: argparse.Namespace, workload: Workload) -> int:
     )
     ctx = mp.get_context("spawn")
     out, done = ctx.Queue(), ctx.Event()
-    if args.role != "prefill":
-        done.set()
+    if args.role == "decode":
+        done.set()  # a prefill serves until its decodes are done; a bootstrap until --timeout
     rank_main(spec, out, done)
     while True:
         role, _, _, result = out.get()
