@@ -26,7 +26,9 @@ from sgl_nixl_plugin import metrics
 from sgl_nixl_plugin.adapter.decode import DecodeListener
 from sgl_nixl_plugin.adapter.decode_staging import DecodeStaging
 from sgl_nixl_plugin.adapter.memory import compat_of, kv_mem_kind, memory_from_kv_args, to_regions
-from sgl_nixl_plugin.adapter.prefill import Chunk, PrefillControl, RoomProgress, TransferWorker
+from sgl_nixl_plugin.adapter.prefill_control import PrefillControl
+from sgl_nixl_plugin.adapter.prefill_state import Chunk, RoomProgress
+from sgl_nixl_plugin.adapter.transfer_worker import TransferWorker
 from sgl_nixl_plugin.engine.engine import PeerLink, TransferEngine
 from sgl_nixl_plugin.engine.staging import StagingBuffer
 from sgl_nixl_plugin.registry import manager as registry

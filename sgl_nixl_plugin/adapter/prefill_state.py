@@ -1,0 +1,104 @@
+"""Prefill-side records: decode peers, their per-room destinations, chunks and progress."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sgl_nixl_plugin.engine.agent import Xfer
+from sgl_nixl_plugin.engine.engine import PeerLink
+from sgl_nixl_plugin.engine.staging import (
+    RemoteStaging,
+    StagedSend,
+)
+from sgl_nixl_plugin.wire.messages import (
+    PeerRegistration,
+)
+
+if TYPE_CHECKING:
+    pass
+
+logger = logging.getLogger(__name__)
+
+# KVPoll values (SGLang's enum is an int enum; kept numeric to keep this module SGLang-free)
+FAILED, WAITING_FOR_INPUT, SUCCESS = 0, 2, 4
+
+
+
+@dataclass
+class DecodePeer:
+    """A registered decode rank: its NIXL link and what it told us."""
+
+    agent: str
+    link: PeerLink
+    reg: PeerRegistration
+    endpoint: tuple[str, int]
+    last_seen: float = field(default_factory=time.monotonic)
+    staging: RemoteStaging | None = None
+
+
+@dataclass
+class TransferInfo:
+    """One decode rank's destination for one room (SGLang's common code reads these fields)."""
+
+    room: int
+    agent: str
+    endpoint: str
+    dst_port: int
+    dst_pages: np.ndarray
+    aux_index: int
+    state: list[np.ndarray]
+    required_dst_info_num: int
+    is_dummy: bool
+
+
+@dataclass
+class Chunk:
+    room: int
+    pages: np.ndarray
+    index_slice: slice
+    is_last: bool
+    aux_index: int | None
+    state: list[Any] | None
+    events: tuple[Any, ...] = ()  # CUDA events the source pages wait on
+
+
+@dataclass
+class RoomProgress:
+    xfers: list[Xfer] = field(default_factory=list)
+    last_seen: bool = False
+    failed: bool = False
+    started: float = field(default_factory=time.perf_counter)
+    nbytes: int = 0
+    descriptors: int = 0
+    peers: set[str] = field(default_factory=set)
+    jobs: list[StagedJob] = field(default_factory=list)
+    path: str = "direct"
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.xfers) or any(not j.send.finished or j.send.in_flight for j in self.jobs)
+
+
+@dataclass
+class StagedJob:
+    """One chunk's staged transfer to one decode rank, and what the decode must be told."""
+
+    send: StagedSend
+    info: TransferInfo
+    peer: DecodePeer
+    page_start: int
+    page_count: int
+
+
+class SlotCredits(deque):
+    """Receiver staging slots this room may write now; ``granted`` bounds what credits accept."""
+
+    def __init__(self, slots: list[int]) -> None:
+        super().__init__(slots)
+        self.granted = frozenset(slots)

@@ -1,0 +1,338 @@
+"""Prefill transfer workers: the scheduler's ``send()`` only enqueues a chunk (O(1)).
+
+A worker submits each chunk's WRITEs (direct or staged) without waiting and polls every
+transfer it has in flight with backoff, so many rooms bound for the same decode move at once.
+Rooms are sharded across workers by room id, so one room's chunks stay in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sgl_nixl_plugin import metrics
+from sgl_nixl_plugin.adapter.prefill_state import (
+    FAILED,
+    SUCCESS,
+    Chunk,
+    DecodePeer,
+    RoomProgress,
+    StagedJob,
+    TransferInfo,
+)
+from sgl_nixl_plugin.engine.agent import TransferError
+from sgl_nixl_plugin.engine.descriptors import expected_descriptors
+from sgl_nixl_plugin.engine.staging import (
+    StagedSend,
+    choose_path,
+    plan_pieces,
+    staging_unit_len,
+    unit_indices_of,
+)
+from sgl_nixl_plugin.wire.messages import (
+    PieceReady,
+)
+
+if TYPE_CHECKING:
+    from sgl_nixl_plugin.adapter.manager import NixlPluginKVManager
+
+logger = logging.getLogger(__name__)
+
+
+
+
+
+class TransferWorker:
+    """Submits chunks without blocking and completes every transfer it has in flight."""
+
+    IDLE_WAIT_S = 1.0
+    MIN_BACKOFF_S = 20e-6
+    MAX_BACKOFF_S = 1e-3
+
+    def __init__(self, mgr: NixlPluginKVManager, index: int) -> None:
+        self.mgr = mgr
+        self.queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
+        self.rooms: dict[int, RoomProgress] = {}
+        self._backoff = self.MIN_BACKOFF_S
+        self._stop = threading.Event()
+        self._last_sweep = time.monotonic()
+        self.thread = threading.Thread(
+            target=self._run, name=f"sgl-nixl-xfer-{index}", daemon=True
+        )
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.queue.put(None)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = any(p.busy for p in self.rooms.values())
+            try:
+                chunk = self.queue.get(timeout=self._backoff if busy else self.IDLE_WAIT_S)
+            except queue.Empty:
+                chunk = None
+            try:
+                while chunk is not None:
+                    self._backoff = self.MIN_BACKOFF_S
+                    self._submit(chunk)
+                    chunk = self.queue.get_nowait() if not self.queue.empty() else None
+                if self._poll() == 0 and busy:
+                    self._backoff = min(self._backoff * 2, self.MAX_BACKOFF_S)
+                else:
+                    self._backoff = self.MIN_BACKOFF_S
+                self._sweep()
+            except Exception:
+                logger.exception("sgl-nixl: transfer worker error; it goes on")
+
+    # -- submission ----------------------------------------------------------------------
+    def _submit(self, chunk: Chunk) -> None:
+        # Count this submission as outstanding *before* reading the room's status: an abort
+        # marks the room Failed, then acks once nothing is outstanding, so either it sees
+        # this reservation (and its ack waits for the WRITEs posted here) or we see Failed.
+        mgr, room = self.mgr, chunk.room
+        mgr._staging_outstanding[room] += 1
+        try:
+            self._submit_reserved(chunk)
+        finally:
+            mgr.transfer_settled(room)
+
+    def _submit_reserved(self, chunk: Chunk) -> None:
+        mgr, room = self.mgr, chunk.room
+        prog = self.rooms.setdefault(room, RoomProgress())
+        prog.last_seen = prog.last_seen or chunk.is_last
+        status = mgr.request_status.get(room)
+        if prog.failed or status is None or status == FAILED:
+            prog.failed = True
+            self._maybe_finish(room)
+            return
+        for ev in chunk.events:
+            ev.synchronize()  # the forward pass must have written these pages
+        infos = mgr.transfer_infos.get(room) or {}
+        if not infos:
+            self._fail(room, "no decode destination was received for this room")
+            return
+        try:
+            for info in list(infos.values()):
+                if not info.is_dummy:
+                    self._submit_to(prog, chunk, info)
+        except (TransferError, ValueError) as exc:
+            self._fail(room, str(exc))
+            return
+        self._maybe_finish(room)
+
+    def _submit_to(self, prog: RoomProgress, chunk: Chunk, info: TransferInfo) -> None:
+        mgr = self.mgr
+        peer = mgr.control.peers.get(info.agent)
+        if peer is None:
+            raise TransferError(f"decode {info.agent} is no longer connected")
+        dst = info.dst_pages[chunk.index_slice]
+        if len(dst) != len(chunk.pages):
+            raise TransferError(
+                f"decode {info.agent} gave {len(info.dst_pages)} pages, prefill sends "
+                f"{chunk.index_slice.stop} (chunk {chunk.index_slice.start}:"
+                f"{chunk.index_slice.stop}): page counts disagree"
+            )
+        engine, link = mgr.engine, peer.link
+        xfers = []
+        job = self._staged(prog, chunk, info, peer, dst)
+        if job is not None:
+            prog.jobs.append(job)
+            prog.path = "staging"
+        else:
+            xfers.append(engine.write(link, "kv", chunk.pages, dst))
+        if chunk.is_last:
+            if chunk.aux_index is not None and info.aux_index >= 0:
+                xfers.append(
+                    engine.write(link, "aux", np.array([chunk.aux_index]), np.array([info.aux_index]))
+                )
+            for i, (src, dst_state) in enumerate(zip(chunk.state or [], info.state, strict=False)):
+                if src is None or not len(dst_state):
+                    continue
+                src = np.asarray(src, dtype=np.int64).ravel()
+                if len(src) != len(dst_state):
+                    raise TransferError(
+                        f"state[{i}]: prefill has {len(src)} indices, decode {len(dst_state)}"
+                    )
+                xfers.append(engine.write(link, f"state{i}", src, dst_state))
+        prog.peers.add(info.agent)
+        for x in xfers:
+            if x is None:
+                continue
+            prog.xfers.append(x)
+            prog.nbytes += x.nbytes
+            prog.descriptors += x.descriptors
+            mgr._staging_outstanding[chunk.room] += 1
+
+    def _staged(
+        self, prog: RoomProgress, chunk: Chunk, info: TransferInfo, peer: DecodePeer, dst: np.ndarray
+    ) -> StagedJob | None:
+        """A staged job for this chunk if the rule in ``choose_path`` prefers it, else None."""
+        mgr = self.mgr
+        g = peer.link.groups.get("kv")
+        credits = mgr.remote_free.get(chunk.room, {}).get(info.agent)
+        staging = mgr.staging
+        unit_len = staging_unit_len(mgr.engine.memory.kv, g.geometry) if g else None
+        possible = bool(
+            g and staging is not None and peer.staging is not None and credits is not None
+            and unit_len and len(chunk.pages)
+        )
+        n = len(chunk.pages)
+        path = choose_path(
+            mode=mgr.settings.transfer_path,
+            descriptors=0 if not g else expected_descriptors(chunk.pages, dst, g.num_regions, g.geometry),
+            nbytes=0 if not g else g.unit_bytes * n,
+            mem_kind=mgr.kv_mem_kind,
+            slot_bytes=staging.slot_bytes if staging is not None else 1,
+            staging_possible=possible,
+        )
+        if path != "staging":
+            return None
+        geo = g.geometry
+        units = unit_indices_of(chunk.pages, geo)
+        send = StagedSend(
+            agent=mgr.engine.agent,
+            copier=mgr.copier,
+            local=staging,
+            remote=peer.staging,
+            peer=peer.link.name,
+            src_bases=np.asarray(mgr.engine.memory.kv.ptrs, dtype=np.uint64)[: g.num_regions],
+            units=units,
+            geometry=geo,
+            pieces=plan_pieces(g.num_regions, len(units), unit_len, min(staging.slot_bytes, peer.staging.slot_bytes)),
+            remote_free=credits,
+            stream=mgr.copy_stream,
+            drain_timeout_s=mgr.settings.abort_drain_timeout_s,
+        )
+        return StagedJob(send, info, peer, chunk.index_slice.start, n)
+
+    def _step_jobs(self, room: int, prog: RoomProgress) -> int:
+        """Advance the room's staged jobs; tell decodes about landed pieces.
+
+        Staged WRITEs count as outstanding like direct ones (an abort is acked only once
+        they ended), reserved before the status check as in ``_submit``; a landed piece
+        settles only after its PieceReady went out, so the ack can't overtake it.
+        """
+        mgr = self.mgr
+        mgr._staging_outstanding[room] += 1
+        try:
+            return self._step_jobs_reserved(room, prog)
+        finally:
+            mgr.transfer_settled(room)
+
+    def _step_jobs_reserved(self, room: int, prog: RoomProgress) -> int:
+        mgr, settled = self.mgr, 0
+        if not prog.failed and mgr.request_status.get(room) in (None, FAILED):
+            prog.failed = True  # aborted or cleared: stop sending, let WRITEs drain
+        if prog.failed:
+            for job in prog.jobs:
+                job.send.abandon("room ended")
+        for job in prog.jobs:
+            if job.send.finished and not job.send.in_flight:
+                continue
+            posted, ended = job.send.posted, job.send.settled
+            landed = job.send.step()
+            if job.send.posted > posted:
+                mgr._staging_outstanding[room] += job.send.posted - posted
+            for piece, slot in landed:
+                settled += 1
+                geo = job.send.geometry
+                mgr.send_to(
+                    job.peer.endpoint,
+                    PieceReady(
+                        room=room, prefill_rank=mgr.prefill_rank_id, ip=mgr.local_ip,
+                        port=mgr.rank_port, slot=slot, r0=piece.r0, r1=piece.r1,
+                        j0=piece.j0, j1=piece.j1, page_start=job.page_start,
+                        page_count=job.page_count, unit_len=piece.unit_len,
+                        units_per_item=geo.units_per_item,
+                        dst_stride=geo.dst_stride or piece.unit_len, dst_offset=geo.dst_offset,
+                    ),
+                )
+            for _ in range(job.send.settled - ended):
+                mgr.transfer_settled(room)
+            if job.send.error and not prog.failed:
+                job.send.abandon()
+                self._fail(room, f"staged transfer to {job.info.agent} failed: {job.send.error}", finish=False)
+        if prog.jobs and not any(j.send.in_flight or not j.send.finished for j in prog.jobs):
+            prog.nbytes += sum(j.send.nbytes for j in prog.jobs)
+            prog.descriptors += sum(j.send.done_pieces for j in prog.jobs)
+            prog.jobs = []
+        return settled
+
+    # -- completion ----------------------------------------------------------------------
+    def _poll(self) -> int:
+        """Poll every transfer in flight; returns how many settled."""
+        settled = 0
+        for room in list(self.rooms):
+            prog = self.rooms[room]
+            if prog.jobs:
+                settled += self._step_jobs(room, prog)
+            if not prog.xfers:
+                self._maybe_finish(room)
+                continue
+            remaining = []
+            stuck_after = self.mgr.settings.abort_drain_timeout_s
+            for x in prog.xfers:
+                state = self.mgr.engine.poll(x)
+                if state == "PROC" and prog.failed and time.perf_counter() - x.started > stuck_after:
+                    self.mgr.engine.agent.abandon(x)  # its peer is gone: it will never settle
+                    self.mgr.transfer_settled(room)
+                    settled += 1
+                    continue
+                if state == "PROC":
+                    remaining.append(x)
+                    continue
+                settled += 1
+                if state == "DONE" and (t := self.mgr.engine.agent.telemetry(x)):
+                    metrics.telemetry(t)
+                self.mgr.engine.release(x)
+                self.mgr.transfer_settled(room)
+                if state == "ERR" and not prog.failed:
+                    self._fail(room, x.error, finish=False)
+            prog.xfers = remaining
+            self._maybe_finish(room)
+        return settled
+
+    def _fail(self, room: int, reason: str, finish: bool = True) -> None:
+        prog = self.rooms.setdefault(room, RoomProgress())
+        for job in prog.jobs:
+            job.send.abandon(reason)
+        if not prog.failed:
+            prog.failed = True
+            logger.error("sgl-nixl: room %s failed: %s", room, reason)
+            self.mgr.conclude_failure(bootstrap_room=room, failure_reason=reason)
+            self.mgr.observe(room, prog, ok=False, reason=reason)
+        if finish:
+            self._maybe_finish(room)
+
+    def _maybe_finish(self, room: int) -> None:
+        prog = self.rooms.get(room)
+        if prog is None or prog.busy:
+            return
+        if prog.failed or room not in self.mgr.request_status:
+            del self.rooms[room]
+            self.mgr.remote_free.pop(room, None)
+            return
+        if prog.last_seen:
+            del self.rooms[room]
+            self.mgr.remote_free.pop(room, None)
+            self.mgr.observe(room, prog, ok=True)
+            self.mgr.conclude_transfer(bootstrap_room=room, status=SUCCESS)
+
+    def _sweep(self) -> None:
+        """Forget rooms whose sender went away between chunks (nothing in flight)."""
+        now = time.monotonic()
+        if now - self._last_sweep < 1.0:
+            return
+        self._last_sweep = now
+        for room in [r for r, p in self.rooms.items() if not p.busy]:
+            status = self.mgr.request_status.get(room)
+            if status is None or status == FAILED:
+                del self.rooms[room]
