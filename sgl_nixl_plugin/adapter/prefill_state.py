@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,7 +22,6 @@ from sgl_nixl_plugin.wire.messages import (
 if TYPE_CHECKING:
     pass
 
-logger = logging.getLogger(__name__)
 
 # KVPoll values (SGLang's enum is an int enum; kept numeric to keep this module SGLang-free)
 FAILED, WAITING_FOR_INPUT, SUCCESS = 0, 2, 4
