@@ -12,9 +12,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import zmq
 
-from sgl_nixl_plugin.adapter.liveness import PeerWatch, drain
+from sgl_nixl_plugin.adapter.control_loop import ControlLoop
 from sgl_nixl_plugin.adapter.memory import kv_geometry, remote_memory
 from sgl_nixl_plugin.adapter.prefill_state import (
     FAILED,
@@ -50,54 +49,17 @@ logger = logging.getLogger(__name__)
 
 
 
-class PrefillControl:
+class PrefillControl(ControlLoop):
     """Receives registrations, transfer requests, aborts and pings from decode ranks."""
 
     def __init__(self, mgr: NixlPluginKVManager) -> None:
-        self.mgr = mgr
+        super().__init__(mgr, "sgl-nixl-prefill-ctl")
         self.peers: dict[str, DecodePeer] = {}
         self.refused: dict[str, str] = {}  # agent -> reason its registration was refused
         self.lock = threading.Lock()
-        self._stop = threading.Event()
-        s = mgr.settings
-        self.watch = PeerWatch(mgr._zmq_ctx, s.liveness_interval_s, s.liveness_misses)
         self._pending: dict[tuple[str, int], str] = {}
-        self._next_check = 0.0
-        self.thread = threading.Thread(target=self._run, name="sgl-nixl-prefill-ctl", daemon=True)
 
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    # -- loop -------------------------------------------------------------------------
-    def _run(self) -> None:
-        mgr = self.mgr
-        sock = mgr.server_socket
-        poller = self.watch.poller
-        poller.register(sock, zmq.POLLIN)
-        tick_ms = max(10, int(self.watch.interval * 1000 / 2))
-        while not self._stop.is_set():
-            try:
-                for ready, _ in poller.poll(tick_ms):
-                    if ready is sock:
-                        for frames in drain(sock):
-                            self._receive(frames)
-                    elif self.watch.owns(ready):
-                        for ep, why in self.watch.on_monitor(ready):
-                            self._lost(ep, why, drop=True)
-                self._check_liveness()
-            except zmq.ZMQError as exc:
-                if self._stop.is_set():
-                    break
-                logger.error("sgl-nixl prefill control socket error: %s", exc)
-                time.sleep(0.05)
-            except Exception:
-                logger.exception("sgl-nixl: prefill control error; the control thread goes on")
-        self.watch.close()
-
-    def _receive(self, frames: list[Any]) -> None:
+    def on_frames(self, frames: list[Any]) -> None:
         decoded = self.mgr.codec.decode(frames)
         if decoded is None:
             return
@@ -107,6 +69,9 @@ class PrefillControl:
             logger.exception(
                 "sgl-nixl: error handling %s; the control thread goes on", type(decoded.msg).__name__
             )
+
+    def on_lost(self, endpoint: tuple[str, int], why: str) -> None:
+        self._lost(endpoint, why, drop=True)  # the process is gone: drop its NIXL peer too
 
     def _pending_decodes(self) -> dict[tuple[str, int], str]:
         """Decode endpoints (-> agent) that still await data for some room."""
@@ -119,11 +84,7 @@ class PrefillControl:
                     out[(info.endpoint, info.dst_port)] = info.agent
         return out
 
-    def _check_liveness(self) -> None:
-        now = time.monotonic()
-        if now < self._next_check:
-            return
-        self._next_check = now + self.watch.interval / 4
+    def check_liveness(self) -> None:
         mgr = self.mgr
         self._pending = self._pending_decodes()
         self.watch.sync(set(self._pending))
@@ -134,7 +95,7 @@ class PrefillControl:
             self._lost(ep, f"stopped answering (no reply for {silent:.1f}s)", drop=False)
 
     def _lost(self, endpoint: tuple[str, int], why: str, drop: bool) -> None:
-        self.watch.forget(endpoint)
+        self.watch.forget(endpoint)  # idempotent: the loop may have forgotten it already
         agent = self._pending.get(endpoint)
         if agent is None:
             return

@@ -1,0 +1,90 @@
+"""The control thread both sides run: one ZMQ socket, the peer watch, and a periodic tick.
+
+Subclasses say what a message means (``on_frames``), what losing a peer means (``on_lost``),
+how long to sleep (``poll_ms``) and what to do on every wake-up (``tick``). The loop itself
+never dies: socket errors and handler bugs are logged and the thread goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from sgl_nixl_plugin.adapter.liveness import Endpoint, PeerWatch, drain
+
+if TYPE_CHECKING:
+    from sgl_nixl_plugin.adapter.manager import NixlPluginKVManager
+
+logger = logging.getLogger(__name__)
+
+
+class ControlLoop:
+    def __init__(self, mgr: NixlPluginKVManager, name: str) -> None:
+        self.mgr = mgr
+        s = mgr.settings
+        self.watch = PeerWatch(mgr._zmq_ctx, s.liveness_interval_s, s.liveness_misses)
+        self._stop = threading.Event()
+        self._next_check = 0.0
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- what subclasses define ---------------------------------------------------------
+    def poll_ms(self) -> int:
+        return max(10, int(self.watch.interval * 1000 / 2))
+
+    def on_frames(self, frames: list[Any]) -> None:
+        raise NotImplementedError
+
+    def on_lost(self, endpoint: Endpoint, why: str) -> None:
+        raise NotImplementedError
+
+    def check_liveness(self) -> None:
+        """Sync the watch with the peers that matter now and ping them (throttled by ``due``)."""
+        raise NotImplementedError
+
+    def tick(self) -> None:
+        """Runs after every wake-up."""
+        if self.due():
+            self.check_liveness()
+
+    def due(self) -> bool:
+        """True at most four times per liveness interval."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return False
+        self._next_check = now + self.watch.interval / 4
+        return True
+
+    # -- the loop -----------------------------------------------------------------------
+    def _run(self) -> None:
+        sock = self.mgr.server_socket
+        poller = self.watch.poller
+        poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                for ready, _ in poller.poll(self.poll_ms()):
+                    if ready is sock:
+                        for frames in drain(sock):  # the whole backlog: a pong may be in it
+                            self.on_frames(frames)
+                    elif self.watch.owns(ready):
+                        for endpoint, why in self.watch.on_monitor(ready):
+                            self.watch.forget(endpoint)
+                            self.on_lost(endpoint, why)
+                self.tick()
+            except zmq.ZMQError as exc:
+                if self._stop.is_set():
+                    break
+                logger.error("sgl-nixl %s: socket error: %s", self.thread.name, exc)
+                time.sleep(0.05)
+            except Exception:
+                logger.exception("sgl-nixl %s: error; the thread goes on", self.thread.name)
+        self.watch.close()
