@@ -44,11 +44,22 @@ def target_main(gpu: int, nbytes: int, conn: Any) -> None:
     kv = RegionSet((buf.data_ptr(),), (nbytes,), (MIB,), (gpu,), "VRAM")
     eng = TransferEngine(_config(), Memory(kv=kv, aux=RegionSet.of([], [], [], "VRAM")))
     conn.send((eng.metadata, buf.data_ptr()))
-    while conn.poll(300):
-        if conn.recv() == "stop":
+    end = time.monotonic() + 300
+    while time.monotonic() < end:  # progress, like the decode listener does
+        if conn.poll(0.0005) and conn.recv() == "stop":
             break
         eng.agent.progress()
     eng.close()
+
+
+class Rows(list):
+    """Prints each row as it is added (a hang still leaves the rows before it)."""
+
+    def append(self, row: tuple[str, float, float]) -> None:
+        if not self:
+            print(f"{'primitive':52s} {'p50 us':>9s} {'p90 us':>9s}", flush=True)
+        super().append(row)
+        print(f"{row[0]:52s} {row[1]:9.1f} {row[2]:9.1f}", flush=True)
 
 
 def timed(fn: Callable[[], Any], n: int, after: Callable[[Any], None] | None = None) -> tuple[float, float]:
@@ -78,6 +89,7 @@ def main() -> int:
     from sgl_nixl_plugin.engine.engine import Memory, TransferEngine
     from sgl_nixl_plugin.engine.layout import RegionSet
 
+    print(f"gpu_host_costs: gpu {args.gpu} -> peer gpu {args.peer_gpu}, n={args.n}", flush=True)
     torch.cuda.set_device(args.gpu)
     dev = f"cuda:{args.gpu}"
     size = 512 * MIB
@@ -85,7 +97,7 @@ def main() -> int:
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target_main, args=(args.peer_gpu, size, child), daemon=True)
     proc.start()
-    rows: list[tuple[str, float, float]] = []
+    rows = Rows()
     try:
         src = torch.zeros(size, dtype=torch.uint8, device=dev)
         kv = RegionSet((src.data_ptr(),), (size,), (MIB,), (args.gpu,), "VRAM")
@@ -93,11 +105,13 @@ def main() -> int:
         if not parent.poll(120):
             raise TimeoutError("target did not start")
         meta, dst_ptr = parent.recv()
+        print("target ready", flush=True)
         rkv = RegionSet((dst_ptr,), (size,), (MIB,), (args.peer_gpu,), "VRAM")
         link = eng.link(meta, Memory(kv=rkv, aux=RegionSet.of([], [], [], "VRAM")))
         agent = eng.agent
         stream = torch.cuda.Stream()
         copier = ck.make_copier("VRAM", args.gpu)
+        print("linked; copier ready", flush=True)
 
         # pool of 64 regions x 4096 units x 2 KiB: a small piece (16 units) and a big one
         pool = torch.zeros(64 * 4096 * 2048, dtype=torch.uint8, device=dev)
@@ -138,8 +152,10 @@ def main() -> int:
         stream.synchronize()
 
         def wait(x: Any) -> None:
+            end = time.monotonic() + 10
             while agent.poll(x) == "PROC":
-                pass
+                if time.monotonic() > end:
+                    raise TimeoutError("WRITE not done within 10 s")
             agent.release(x)
 
         for nb in (2 * MIB, 64 * MIB, 256 * MIB):
@@ -166,7 +182,7 @@ def main() -> int:
                                    mem_kind="VRAM", remote_mem_kind="VRAM",
                                    local_device=args.gpu, remote_device=args.peer_gpu)
         polls = []
-        while True:
+        for _ in range(1_000_000):
             t0 = time.perf_counter()
             s = agent.poll(x)
             polls.append(time.perf_counter() - t0)
@@ -184,10 +200,6 @@ def main() -> int:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    print(f"gpu_host_costs: gpu {args.gpu} -> peer gpu {args.peer_gpu}, n={args.n}")
-    print(f"{'primitive':52s} {'p50 us':>9s} {'p90 us':>9s}")
-    for name, p50, p90 in rows:
-        print(f"{name:52s} {p50:9.1f} {p90:9.1f}")
     return 0
 
 
