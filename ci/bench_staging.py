@@ -101,13 +101,16 @@ def _ensure_pluggy() -> None:
 
 _ensure_pluggy()
 
+from sgl_nixl_plugin.engine import staging as staging_mod  # noqa: E402
 from sgl_nixl_plugin.engine.descriptors import expected_descriptors  # noqa: E402
 from sgl_nixl_plugin.engine.engine import Memory, TransferEngine  # noqa: E402
 from sgl_nixl_plugin.engine.layout import Geometry, RegionSet  # noqa: E402
+from sgl_nixl_plugin.engine.scatter_queue import ScatterQueue  # noqa: E402
 from sgl_nixl_plugin.engine.staging import (  # noqa: E402
     RemoteStaging,
     StagedSend,
     StagingBuffer,
+    piece_bytes,
     plan_pieces,
 )
 from sgl_nixl_plugin.registry.spec import AgentConfig  # noqa: E402
@@ -132,8 +135,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype-bytes", type=int, default=2, help="2 = bf16")
-    p.add_argument("--staging-mib", type=int, default=None, help="default 512 (16 with --quick)")
-    p.add_argument("--slot-mib", type=int, default=None, help="default 32 (2 with --quick)")
+    p.add_argument("--staging-mib", type=int, default=None,
+                   help="default 1024, the plugin's VRAM default (16 with --quick)")
+    p.add_argument("--slot-mib", type=int, default=None,
+                   help="default 128, the plugin's VRAM default (2 with --quick)")
+    p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS),
+                   help="rows to run (default: all)")
+    p.add_argument("--pipeline-pieces", type=int, default=None,
+                   help="override staging.PIPELINE_PIECES (pieces per request; tuning)")
+    p.add_argument("--min-piece-mib", type=int, default=None,
+                   help="override staging.MIN_PIECE_BYTES for --mem (tuning)")
     p.add_argument("--copier", choices=("auto", "triton", "torch", "numpy"), default="auto",
                    help="make_copier(prefer=...) for the ours row")
     p.add_argument("--recv-progress-us", type=float, default=1000.0,
@@ -167,8 +178,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "requests": 3 if q else 50,
         "min_tokens": 256 if q else 4096,
         "max_tokens": 512 if q else 8192,
-        "staging_mib": 16 if q else 512,
-        "slot_mib": 2 if q else 32,
+        "staging_mib": 16 if q else 1024,
+        "slot_mib": 2 if q else 128,
     }
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -279,6 +290,9 @@ class _NumpyStandIn:
     def synchronize(self, stream=None):
         return None
 
+    def prepare_units(self, units, stream=None):
+        return np.asarray(units, dtype=np.int64)
+
 
 class _TimedCopier:
     """Sums the host time spent in ``gather`` (all of it on DRAM; the launch on VRAM)."""
@@ -297,6 +311,9 @@ class _TimedCopier:
 
     def synchronize(self, stream: Any = None) -> None:
         self.inner.synchronize(stream)
+
+    def prepare_units(self, units: Any, stream: Any = None) -> Any:
+        return self.inner.prepare_units(units, stream)
 
 
 def load_copier(mem: str, device: int, prefer: str = "auto") -> tuple[Any, str]:
@@ -479,16 +496,26 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
             "slot_bytes": st.slot_bytes,
             "num_slots": st.num_slots,
         }))
-        dst = src = dst_dev = None
+        dst = src = dst_dev = dst_units = None
+        scatters = ScatterQueue(copier, side.stream)
         idle = cfg["setup_timeout_s"] + cfg["req_timeout_s"] + 60
         # The agent has no progress thread: like the adapter's decode listener, progress it
         # between messages (a two-sided transport, e.g. UCX over TCP, needs the target to).
         tick = cfg["recv_progress_us"] * 1e-6
         progress = side.agent.progress if hasattr(side.agent, "progress") else (lambda: None)
+
+        def finished() -> None:
+            # scatters done so far, oldest first: free their slots (like PieceDone)
+            for slot, t_got, t_launched in scatters.ready():
+                conn.send(("scattered", slot, t_got, t_launched[0], time.perf_counter()))
+
         while True:
             last = time.perf_counter()
             checked = last
-            while not conn.poll(tick):
+            while not conn.poll(0 if len(scatters) else tick):
+                if len(scatters):
+                    finished()
+                    continue
                 progress()
                 now = time.perf_counter()
                 if now - checked > 2.0:
@@ -508,13 +535,18 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
                 elif kind == "req":
                     dst, src = msg[1], msg[2]
                     dst_dev = side.idx(dst) if side.torch is not None else dst
+                    dst_units = None  # prepared at its first piece (inside the timed row)
                 elif kind == "piece":
                     _, slot, r0, r1, j0, j1, unit_len = msg
-                    t0 = time.perf_counter()
-                    copier.scatter(side.bases[r0:r1], dst[j0:j1], unit_len, unit_len, 0,
-                                   st.addr(slot), side.stream)
-                    copier.synchronize(side.stream)
-                    conn.send(("scattered", slot, time.perf_counter() - t0))
+                    t_got = time.perf_counter()
+                    if dst_units is None:
+                        dst_units = copier.prepare_units(dst, side.stream)
+                    launched = [0.0]  # set once the launch call returned
+                    scatters.launch((slot, t_got, launched), bases=side.bases[r0:r1],
+                                    units=dst_units[j0:j1], unit_len=unit_len, stride=unit_len,
+                                    offset=0, stage=st.addr(slot))
+                    launched[0] = time.perf_counter()
+                    finished()
                 elif kind == "scatter_all":
                     n = len(dst)
                     t0 = time.perf_counter()
@@ -551,6 +583,35 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
 
 
 # ----------------------------------------------------------------------------- sender
+def timeline(
+    t0: float, trace: list[tuple[int, str, float]], replies: list[tuple[float, float, float, float]]
+) -> dict:
+    """When (ms after the request began) each stage of the pipeline was last busy, and the
+    mean hand-off delays between stages: where a request's time goes. Both processes read
+    the same monotonic clock (perf_counter on Linux)."""
+    def last(step: str) -> float:
+        ts = [t for _, s, t in trace if s == step]
+        return (max(ts) - t0) * 1e3 if ts else float("nan")
+
+    first_posted = min((t for _, s, t in trace if s == "write posted"), default=t0)
+    out = {
+        "first_post_ms": (first_posted - t0) * 1e3,
+        "last_gather_launch_ms": last("gather launched"),
+        "last_post_ms": last("write posted"),
+        "last_write_done_ms": last("write done"),
+    }
+    if replies:
+        sent, got, launched, done = (np.asarray(c) for c in zip(*replies, strict=True))
+        out.update({
+            "last_scatter_done_ms": (float(done.max()) - t0) * 1e3,
+            "notify_us": float(np.mean(got - sent)) * 1e6,  # PieceReady on its way
+            "launch_us": float(np.mean(launched - got)) * 1e6,  # receiver's launch call (DRAM:
+            # the whole scatter)
+            "scatter_us": float(np.mean(done - launched)) * 1e6,  # queued + running + noticed
+        })
+    return out
+
+
 class Sender:
     def __init__(self, cfg: dict, page_size: int, conn) -> None:
         self.cfg, self.ps, self.conn = cfg, page_size, conn
@@ -699,16 +760,24 @@ class Sender:
         s.sync()
         deadline = self._deadline()
         t0 = time.perf_counter()
-        pieces = plan_pieces(s.R, req["pages"], s.item, s.staging.slot_bytes)
+        tune = {"PIPELINE_PIECES": self.cfg["pipeline_pieces"]}
+        if self.cfg["min_piece_mib"] is not None:
+            tune["MIN_PIECE_BYTES"] = {self.mem: self.cfg["min_piece_mib"] * MiB}
+        for k, v in tune.items():
+            if v is not None:
+                setattr(staging_mod, k, v)
+        pieces = plan_pieces(s.R, req["pages"], s.item,
+                             piece_bytes(req["bytes"], s.staging.slot_bytes, self.mem))
         remote_free = deque(range(self.peer_info["num_slots"]))
         copier = _TimedCopier(self.copier)
+        trace: list[tuple[int, str, float]] = []
         job = StagedSend(s.agent, copier, s.staging, self.remote_staging, self.link.name,
                          s.bases, req["src"], Geometry.whole_items(), pieces, remote_free,
-                         stream=s.stream)
+                         stream=s.stream, trace=trace)
         scattered = 0
-        step_s = scatter_s = ctl_s = 0.0
+        step_s = 0.0
         sent_at: dict[int, float] = {}
-        first_landed = None
+        replies: list[tuple[float, float, float, float]] = []  # sent, got, launched, done
         try:
             while scattered < len(pieces):
                 busy = False
@@ -716,8 +785,6 @@ class Sender:
                     ts = time.perf_counter()
                     landed = job.step()
                     step_s += time.perf_counter() - ts
-                    if landed and first_landed is None:
-                        first_landed = time.perf_counter() - t0
                     for piece, slot in landed:
                         conn.send(("piece", slot, piece.r0, piece.r1, piece.j0, piece.j1,
                                    piece.unit_len))
@@ -731,9 +798,9 @@ class Sender:
                         raise RuntimeError(f"receiver failed: {msg[1]}")
                     if msg[0] != "scattered":
                         raise RuntimeError(f"unexpected reply {msg[0]!r}")
-                    remote_free.append(msg[1])
-                    scatter_s += msg[2]
-                    ctl_s += time.perf_counter() - sent_at.pop(msg[1]) - msg[2]
+                    _, slot, t_got, t_launched, t_done = msg
+                    remote_free.append(slot)
+                    replies.append((sent_at.pop(slot), t_got, t_launched, t_done))
                     scattered += 1
                     busy = True
                 if time.perf_counter() > deadline:
@@ -751,11 +818,10 @@ class Sender:
             while job.in_flight and time.perf_counter() < end:
                 job.step()
             raise
-        dt = time.perf_counter() - t0
+        t_end = time.perf_counter()
+        dt = t_end - t0
         return dt, {"pieces": len(pieces), "step_ms": step_s * 1e3,
-                    "gather_call_ms": copier.seconds * 1e3, "scatter_ms": scatter_s * 1e3,
-                    "first_landed_ms": (first_landed or 0.0) * 1e3,
-                    "ctl_ms": ctl_s * 1e3}
+                    "gather_call_ms": copier.seconds * 1e3, **timeline(t0, trace, replies)}
 
     # driver --------------------------------------------------------------------------
     def row_plan(self, row: str) -> tuple[list[int], str]:
@@ -831,17 +897,18 @@ def _drive(sender: Sender, cfg: dict, budget_s: float, report) -> dict:
     machine hits all rows alike; ``rows``: one row over all requests, then the next.
     A row starts no new request once it has spent its budget.
     """
+    order = tuple(r for r in RUN_ORDER if r in cfg["rows"])
     rows: dict[str, dict] = {}
     plans: dict[str, list[int]] = {}
-    spent = dict.fromkeys(RUN_ORDER, 0.0)
-    active = dict.fromkeys(RUN_ORDER, True)
+    spent = dict.fromkeys(order, 0.0)
+    active = dict.fromkeys(order, True)
     t0 = time.perf_counter()
-    for row in RUN_ORDER:
+    for row in order:
         idx, note = sender.row_plan(row)
         plans[row] = idx
         rows[row] = {"label": LABELS[row], "req_idx": [], "times_ms": [], "bytes": [],
                      "components": [], "verify": [], "note": note, "error": ""}
-    for row in RUN_ORDER:
+    for row in order:
         try:
             sender.warm(row)
         except Exception:
@@ -878,7 +945,7 @@ def _drive(sender: Sender, cfg: dict, budget_s: float, report) -> dict:
 
     try:
         if cfg["order"] == "rows":
-            for n_left, row in zip(range(len(RUN_ORDER), 0, -1), RUN_ORDER, strict=True):
+            for n_left, row in zip(range(len(order), 0, -1), order, strict=True):
                 budget = budget_of(row, n_left)
                 for i in plans[row]:
                     if not active[row] or not step(row, i, budget):
@@ -890,17 +957,17 @@ def _drive(sender: Sender, cfg: dict, budget_s: float, report) -> dict:
             deadline = t0 + budget_s if budget_s > 0 else float("inf")
             for i in range(len(sender.requests)):
                 if time.perf_counter() > deadline:
-                    for row in RUN_ORDER:
+                    for row in order:
                         if active[row] and rows[row]["times_ms"] and plans[row][-1] >= i:
                             rows[row]["note"] = (rows[row]["note"] + "; " if rows[row]["note"]
                                                  else "") + (f"time budget spent after "
                                                              f"{len(rows[row]['times_ms'])} "
                                                              "requests")
                     break
-                for row in RUN_ORDER:
+                for row in order:
                     if active[row] and i in plans[row]:
                         step(row, i, cfg["row_budget_s"])
-            for row in RUN_ORDER:
+            for row in order:
                 report(row, rows[row], spent[row])
     except _Fatal as fatal:  # the receiver is out of step: keep what was measured
         rows["__fatal__"] = fatal.partial["error"]
@@ -1086,13 +1153,18 @@ def fmt_table(run: dict, cfg: dict) -> str:
         if key == "perpage" and comps:
             notes.append(f"{int(np.median([c['descriptors'] for c in comps]))} descriptors")
         if key == "ours" and comps:
-            med = {k: float(np.median([c[k] for c in comps])) for k in comps[0]}
+            med = {k: float(np.median([c.get(k, np.nan) for c in comps])) for k in comps[0]}
             gather_what = "gather calls" if cfg["mem"] == "DRAM" else "gather launches"
-            notes.append(f"{int(med['pieces'])} pieces; p50 sums: step {med['step_ms']:.2f} "
-                         f"({gather_what} {med['gather_call_ms']:.2f}), receiver scatter "
-                         f"{med['scatter_ms']:.2f}, control round trips beyond the scatter "
-                         f"{med['ctl_ms']:.2f}; first piece landed "
-                         f"{med['first_landed_ms']:.2f} ms")
+            notes.append(
+                f"{int(med['pieces'])} pieces; p50: first WRITE posted {med['first_post_ms']:.2f}"
+                f", last gather launched {med['last_gather_launch_ms']:.2f}, last WRITE posted "
+                f"{med['last_post_ms']:.2f} / done {med['last_write_done_ms']:.2f}, last scatter"
+                f" done {med.get('last_scatter_done_ms', np.nan):.2f} ms; per piece: notify "
+                f"{med.get('notify_us', np.nan):.0f} us, receiver launch "
+                f"{med.get('launch_us', np.nan):.0f} us, scatter queued+run "
+                f"{med.get('scatter_us', np.nan):.0f} us; sender step calls {med['step_ms']:.2f}"
+                f" ms ({gather_what} {med['gather_call_ms']:.2f})"
+            )
         if row.get("note"):
             notes.append(row["note"])
         if row.get("times_ms"):
@@ -1198,7 +1270,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_staging: mem={args.mem} send_gpu={args.send_gpu} recv_gpu={args.recv_gpu} "
           f"page_sizes={args.page_size} requests={args.requests} "
           f"tokens={args.min_tokens}-{args.max_tokens} layers={args.layers} "
-          f"staging={args.staging_mib} MiB slot={args.slot_mib} MiB verify={args.verify} "
+          f"staging={args.staging_mib} MiB slot={args.slot_mib} MiB "
+          f"pieces={args.pipeline_pieces or staging_mod.PIPELINE_PIECES}/request (min "
+          f"{args.min_piece_mib or staging_mod.MIN_PIECE_BYTES[args.mem] // MiB} MiB) "
+          f"verify={args.verify} "
           f"row_budget={args.row_budget_s:.0f}s budget={args.budget_s:.0f}s", flush=True)
     doc: dict[str, Any] = {"versions": info, "config": cfg, "page_sizes": args.page_size, "runs": []}
     t_start = time.perf_counter()

@@ -72,18 +72,21 @@ except ImportError:
           "needs it; bench_staging.py stubs it, pytest would have brought it")
 EOF
 
-# 1. copy kernel tests (GPU tests skip cleanly without CUDA)
-if [[ ! -f tests/test_copy_kernels.py ]]; then
-    note "tests/test_copy_kernels.py: not in this tree, not run"
-elif timeout 60 "$PY" -m pytest --version >/dev/null 2>&1; then
-    step pytest_copy_kernels 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_copy_kernels.py
+# 1. GPU tests: copy kernels, and staged transfers on VRAM (byte-exact bf16, rooms sharing
+#    slots, statuses after scatters, failure mid-transfer); they skip cleanly without CUDA
+if timeout 60 "$PY" -m pytest --version >/dev/null 2>&1; then
+    step pytest_gpu 200 "$PY" -m pytest -q -p no:cacheprovider -rs \
+        tests/test_copy_kernels.py tests/test_staging.py
 else
-    note "pytest is not installed here: tests/test_copy_kernels.py NOT run (carry wheels of" \
-        "pytest, iniconfig, packaging, pluggy, pygments in .whl/ to run it)"
+    note "pytest is not installed here: the GPU tests were NOT run (carry wheels of" \
+        "pytest, iniconfig, packaging, pluggy, pygments in .whl/ to run them)"
 fi
+step gpu_host_costs 90 "$PY" ci/gpu_host_costs.py --gpu 0 --peer-gpu 0
 
 # 2. kernel bench (prints its own table; dumps stacks and exits at --timeout)
-if [[ -f ci/gpu_kernels_bench.py ]]; then
+if [[ ${GPU_RUN_KERNEL_BENCH:-1} != 1 ]]; then
+    note "kernel bench skipped (GPU_RUN_KERNEL_BENCH=${GPU_RUN_KERNEL_BENCH})"
+elif [[ -f ci/gpu_kernels_bench.py ]]; then
     step gpu_kernels_bench 110 "$PY" ci/gpu_kernels_bench.py --timeout 100
 else
     note "ci/gpu_kernels_bench.py: not in this tree, not run"
@@ -105,8 +108,9 @@ staging() {
         return 0
     fi
     # the benchmark's own budget ends before `timeout`: it stops rows early and writes JSON
+    # staging 1 GiB in 128 MiB slots on both sides: the plugin's VRAM defaults
     step "$name" "$limit" "$PY" ci/bench_staging.py --mem VRAM --page-size 1 16 \
-        --requests 50 --min-tokens 4096 --max-tokens 8192 --staging-mib 512 --slot-mib 32 \
+        --requests 50 --min-tokens 4096 --max-tokens 8192 \
         --row-budget-s 40 --req-timeout-s 30 --setup-timeout-s 90 \
         --budget-s $((limit - 25)) "$@"
     RUNS=$((RUNS - 1))

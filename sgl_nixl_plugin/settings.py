@@ -85,7 +85,7 @@ class Settings:
 
 #: Default staging buffer and slot sizes per memory kind: big slots on GPUs, where the
 #: cost of a piece is its fixed host overhead, modest ones in host memory.
-STAGING_DEFAULTS = {"VRAM": (1 << 30, 256 << 20), "DRAM": (128 << 20, 16 << 20)}
+STAGING_DEFAULTS = {"VRAM": (1 << 30, 128 << 20), "DRAM": (128 << 20, 16 << 20)}
 
 
 def staging_sizes(settings: Settings, mem_kind: str) -> tuple[int, int]:

@@ -1,5 +1,7 @@
-"""The staging path on DRAM: planning, the path rule, slot backpressure, byte-exact pipelined
-transfers between two real NIXL agents, and a failure in the middle of a transfer."""
+"""The staging path: planning, the path rule, slot backpressure, and, between two real NIXL
+agents, byte-exact pipelined transfers (concurrent rooms sharing slots) and a failure in the
+middle of a transfer. The transfer tests run on DRAM always and on VRAM (bf16 data, Triton
+copier, copy streams) where a CUDA device exists; without one the VRAM cases skip."""
 
 from __future__ import annotations
 
@@ -13,11 +15,15 @@ import pytest
 from sgl_nixl_plugin.engine.copy_kernels import make_copier
 from sgl_nixl_plugin.engine.engine import Memory, TransferEngine
 from sgl_nixl_plugin.engine.layout import Geometry, RegionSet
+from sgl_nixl_plugin.engine.scatter_queue import ScatterQueue
 from sgl_nixl_plugin.engine.staging import (
+    MIN_PIECE_BYTES,
+    PIPELINE_PIECES,
     RemoteStaging,
     StagedSend,
     StagingBuffer,
     choose_path,
+    piece_bytes,
     plan_pieces,
     unit_indices_of,
 )
@@ -45,6 +51,24 @@ def test_plan_pieces_empty():
     assert plan_pieces(4, 0, 64, 1024) == []
 
 
+def test_a_unit_larger_than_a_slot_is_refused():
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_pieces(4, 10, 4096, 1024)
+
+
+def test_piece_bytes_pipelines_large_requests_and_respects_slots():
+    mib = 1 << 20
+    # a large request is cut into about PIPELINE_PIECES pieces...
+    assert piece_bytes(768 * mib, 512 * mib, "VRAM") == 128 * mib
+    assert 768 * mib // piece_bytes(768 * mib, 512 * mib, "VRAM") == PIPELINE_PIECES
+    # ...never larger than a slot...
+    assert piece_bytes(768 * mib, 64 * mib, "VRAM") == 64 * mib
+    # ...and not below the floor where fixed per-piece costs dominate
+    assert piece_bytes(60 * mib, 512 * mib, "VRAM") == MIN_PIECE_BYTES["VRAM"]
+    assert piece_bytes(60 * mib, 512 * mib, "DRAM") == 10 * mib
+    assert piece_bytes(10, 1 << 30, "DRAM") == MIN_PIECE_BYTES["DRAM"]
+
+
 def test_path_rule():
     kw = dict(nbytes=1 << 30, slot_bytes=256 << 20, staging_possible=True)
     # 524,288 small descriptors on a GPU: descriptor cost (~7 s) dwarfs two extra copies
@@ -60,76 +84,169 @@ def test_path_rule():
 R, P, L = 6, 64, 256  # regions, pages per region, bytes per page
 
 
-def _memory(arrays: list[np.ndarray]) -> Memory:
-    kv = RegionSet.of([a.ctypes.data for a in arrays], [a.nbytes for a in arrays], [L] * len(arrays), "DRAM")
-    return Memory(kv, RegionSet.of([], [], [], "DRAM"))
+class Side:
+    """One process's KV regions (separate allocations) and staging, on DRAM or a GPU."""
+
+    def __init__(self, kind: str, fill: str, slots: int, seed: int) -> None:
+        self.kind = kind
+        if kind == "VRAM":
+            import torch
+
+            self.torch = torch
+            g = torch.Generator(device="cpu").manual_seed(seed)
+            if fill == "data":  # bf16 values (incl. negatives, tiny and huge), as bytes
+                vals = torch.randn(R, P * L // 2, generator=g) * 1e3
+                self.regions = [v.to(torch.bfloat16).view(torch.uint8).cuda() for v in vals]
+            else:
+                self.regions = [torch.full((P * L,), 0xAB, dtype=torch.uint8, device="cuda") for _ in range(R)]
+            ptrs = [t.data_ptr() for t in self.regions]
+            self.stream = torch.cuda.Stream()
+        else:
+            rng = np.random.default_rng(seed)
+            if fill == "data":
+                self.regions = [rng.integers(0, 256, P * L, dtype=np.uint8) for _ in range(R)]
+            else:
+                self.regions = [np.full(P * L, 0xAB, dtype=np.uint8) for _ in range(R)]
+            ptrs = [a.ctypes.data for a in self.regions]
+            self.stream = None
+        kv = RegionSet.of(ptrs, [P * L] * R, [L] * R, kind)
+        self.engine = TransferEngine(AgentConfig(), Memory(kv, RegionSet.of([], [], [], kind)))
+        self.staging = StagingBuffer(self.engine.agent, slots * L * 16, L * 16, kind)  # 16 pages a slot
+        self.copier = make_copier(kind)
+        self.bases = np.asarray(ptrs, dtype=np.uint64)
+
+    def pages(self, r: int) -> np.ndarray:
+        if self.kind == "VRAM":
+            self.torch.cuda.synchronize()
+            return self.regions[r].cpu().numpy().reshape(P, L)
+        return self.regions[r].reshape(P, L)
 
 
-@pytest.fixture()
-def pair():
-    rng = np.random.default_rng(7)
-    src = [rng.integers(0, 256, P * L, dtype=np.uint8) for _ in range(R)]
-    dst = [np.full(P * L, 0xAB, dtype=np.uint8) for _ in range(R)]
-    a = TransferEngine(AgentConfig(), _memory(src))
-    b = TransferEngine(AgentConfig(), _memory(dst))
-    local = StagingBuffer(a.agent, 4 * L * 16, L * 16, "DRAM")  # 4 slots of 16 pages
-    remote = StagingBuffer(b.agent, 2 * L * 16, L * 16, "DRAM")  # 2 receiver slots
-    link = a.link(b.metadata, b.memory)
-    yield a, b, src, dst, local, remote, link
-    a.close()
-    b.close()
+@pytest.fixture(params=["DRAM", "VRAM"])
+def pair(request):
+    if request.param == "VRAM":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
+    a = Side(request.param, "data", slots=4, seed=7)  # 4 sender slots
+    b = Side(request.param, "sentinel", slots=2, seed=8)  # 2 receiver slots
+    link = a.engine.link(b.engine.metadata, b.engine.memory)
+    yield a, b, link
+    a.engine.close()
+    b.engine.close()
 
 
-def _send(a, local, remote, link, src_pages, credits, drain_timeout_s=5.0):
+def _send(a, b, link, src_pages, credits, drain_timeout_s=5.0):
     units = unit_indices_of(src_pages, Geometry.whole_items())
+    remote = b.staging
     return StagedSend(
-        agent=a.agent, copier=make_copier("DRAM"), local=local,
-        remote=RemoteStaging(remote.ptr, remote.slot_bytes, 0, "DRAM"), peer=link.name,
-        src_bases=np.asarray(a.memory.kv.ptrs, dtype=np.uint64), units=units,
-        geometry=Geometry.whole_items(),
-        pieces=plan_pieces(R, len(units), L, min(local.slot_bytes, remote.slot_bytes)),
-        remote_free=credits,
-        drain_timeout_s=drain_timeout_s,
+        agent=a.engine.agent, copier=a.copier, local=a.staging,
+        remote=RemoteStaging(remote.ptr, remote.slot_bytes, 0, remote.mem_kind), peer=link.name,
+        src_bases=a.bases, units=units, geometry=Geometry.whole_items(),
+        pieces=plan_pieces(R, len(units), L, min(a.staging.slot_bytes, remote.slot_bytes)),
+        remote_free=credits, stream=a.stream, drain_timeout_s=drain_timeout_s,
     )
 
 
-def _drive(jobs, b, remote, dst_pages_of, deadline_s=30.0):
-    """Run jobs to the end, scattering each landed piece like a decode and crediting its slot."""
-    copier = make_copier("DRAM")
-    bases = np.asarray(b.memory.kv.ptrs, dtype=np.uint64)
+def _drive(jobs, b, dst_pages_of, deadline_s=60.0, stop_after=None, credit=None):
+    """Run jobs, scattering each landed piece like a decode (through a ScatterQueue) and
+    crediting its slot back (``credit(job, slot)``, by default to the job) only once its
+    scatter has finished; returns pieces scattered."""
+    scatters = ScatterQueue(b.copier, b.stream)
     end = time.monotonic() + deadline_s
-    while any(not j.finished or j.in_flight for j in jobs):
+    done = 0
+    while any(not j.finished or j.in_flight for j in jobs) or len(scatters):
         assert time.monotonic() < end, "staged transfer did not finish"
-        b.agent.progress()  # the receiver progresses its agent, as the decode listener does
+        b.engine.agent.progress()  # the receiver progresses its agent, as the decode listener does
         for j in jobs:
             for piece, slot in j.step():
                 dst = dst_pages_of[id(j)]
-                copier.scatter(bases[piece.r0 : piece.r1], dst[piece.j0 : piece.j1], L, L, 0, remote.addr(slot))
+                scatters.launch(
+                    (j, slot), bases=b.bases[piece.r0 : piece.r1], units=dst[piece.j0 : piece.j1],
+                    unit_len=L, stride=L, offset=0, stage=b.staging.addr(slot),
+                )
+        for j, slot in scatters.ready():
+            if credit is None:
                 j.remote_free.append(slot)
+            else:
+                credit(j, slot)
+            done += 1
+        if stop_after is not None and done >= stop_after:
+            return done
+    return done
+
+
+def _assert_landed(a, b, placed):
+    """Every destination page holds its source page; every other page its sentinel."""
+    for r in range(R):
+        got, want = b.pages(r), a.pages(r)
+        for src, dst in placed:
+            assert (got[dst] == want[src]).all(), f"region {r}: pages differ"
+        untouched = np.setdiff1d(np.arange(P), np.concatenate([d for _, d in placed]))
+        assert (got[untouched] == 0xAB).all(), f"region {r}: a page outside the request changed"
 
 
 def test_staged_transfers_share_bounded_slots_and_land_byte_exact(pair):
-    a, b, src, dst, local, remote, link = pair
+    a, b, link = pair
     rng = np.random.default_rng(3)
-    s1, s2 = rng.permutation(P)[:40], rng.permutation(P)[:20]
+    s1, s2, s3 = rng.permutation(P)[:40], rng.permutation(P)[:20], rng.permutation(P)[:9]
     free = rng.permutation(P)
-    d1, d2 = free[:40], free[40:60]
-    # Two rooms, one receiver slot each, and four local slots for both: they must wait
-    # for each other's slots (backpressure), never allocate more.
-    credits = remote.acquire(2)
-    j1 = _send(a, local, remote, link, s1, deque(credits[:1]))
-    j2 = _send(a, local, remote, link, s2, deque(credits[1:]))
+    d1, d2, d3 = free[:40], free[40:60], free[60:]  # d3: 4 pages only (s3 cut below)
+    s3 = s3[: len(d3)]
+    # Three rooms, two receiver slots among them (one room starts with none, it gets a
+    # credit only when another's piece was scattered) and four local slots for all: they
+    # must wait for each other's slots (backpressure), never allocate more.
+    credits = b.staging.acquire(2)
+    j1 = _send(a, b, link, s1, deque(credits[:1]))
+    j2 = _send(a, b, link, s2, deque(credits[1:]))
+    j3 = _send(a, b, link, s3, deque())
     assert len(j1.pieces) > 2 and len(j2.pieces) > 2
-    _drive([j1, j2], b, remote, {id(j1): d1, id(j2): d2})
-    assert not j1.error and not j2.error
-    assert j1.done_pieces == len(j1.pieces) and j2.done_pieces == len(j2.pieces)
-    assert local.free == local.num_slots  # every local slot came back
-    for r in range(R):
-        got, want = dst[r].reshape(P, L), src[r].reshape(P, L)
-        assert (got[d1] == want[s1]).all() and (got[d2] == want[s2]).all()
-        untouched = np.setdiff1d(np.arange(P), np.concatenate([d1, d2]))
-        assert (got[untouched] == 0xAB).all()
-    assert a.agent.live["xfer"] == 0
+    donor = []
+
+    def credit(job, slot):
+        if not donor:  # the first slot freed goes to the room that had none...
+            donor.append(job)
+            j3.remote_free.append(slot)
+        elif job is j3 and j3.posted == len(j3.pieces):  # ...and back once it is done
+            donor[0].remote_free.append(slot)
+        else:
+            job.remote_free.append(slot)
+
+    _drive([j1, j2, j3], b, {id(j1): d1, id(j2): d2, id(j3): d3}, credit=credit)
+    for j in (j1, j2, j3):
+        assert not j.error and j.done_pieces == len(j.pieces)
+    assert a.staging.free == a.staging.num_slots  # every local slot came back
+    _assert_landed(a, b, [(s1, d1), (s2, d2), (s3, d3)])
+    assert a.engine.agent.live["xfer"] == 0
+
+
+def test_scatter_queue_releases_statuses_only_after_earlier_pieces(pair):
+    a, b, link = pair
+    src, dst = np.arange(32), np.random.default_rng(5).permutation(P)[:32]
+    job = _send(a, b, link, src, deque(b.staging.acquire(2)))
+    scatters = ScatterQueue(b.copier, b.stream)
+    out = []
+    end = time.monotonic() + 60
+    while not job.finished or job.in_flight or len(scatters):
+        assert time.monotonic() < end
+        b.engine.agent.progress()
+        landed = job.step()
+        for piece, slot in landed:
+            scatters.launch(("piece", piece.index, slot), bases=b.bases[piece.r0 : piece.r1],
+                            units=dst[piece.j0 : piece.j1], unit_len=L, stride=L, offset=0,
+                            stage=b.staging.addr(slot))
+        if landed and job.done_pieces == len(job.pieces):
+            scatters.after(("status", "success"))
+        for item in scatters.wait(timeout=5):
+            out.append(item)
+            if item[0] == "piece":
+                job.remote_free.append(item[2])
+            if item[0] == "status":
+                # Success comes out last, after every piece's scatter finished: the pages
+                # already hold every byte when it is applied
+                assert [o[1] for o in out[:-1]] == list(range(len(job.pieces)))
+                _assert_landed(a, b, [(src, dst)])
+    assert out[-1] == ("status", "success")
 
 
 def test_staging_buffer_backpressure():
@@ -146,28 +263,18 @@ def test_staging_buffer_backpressure():
 
 
 def test_failure_in_the_middle_releases_slots_and_reports(pair):
-    a, b, src, dst, local, remote, link = pair
+    a, b, link = pair
     pages = np.arange(48)
-    job = _send(a, local, remote, link, pages, deque(remote.acquire(1)), drain_timeout_s=1.0)
-    copier = make_copier("DRAM")
-    bases = np.asarray(b.memory.kv.ptrs, dtype=np.uint64)
-    landed = 0
-    end = time.monotonic() + 30
-    while landed < 1:
-        assert time.monotonic() < end
-        b.agent.progress()
-        for piece, slot in job.step():
-            copier.scatter(bases[piece.r0 : piece.r1], pages[piece.j0 : piece.j1], L, L, 0, remote.addr(slot))
-            landed += 1
-            job.remote_free.append(slot)
+    job = _send(a, b, link, pages, deque(b.staging.acquire(1)), drain_timeout_s=1.0)
+    assert _drive([job], b, {id(job): pages}, stop_after=1) == 1
     # the receiver goes away mid-transfer
-    a.unlink(link)
+    a.engine.unlink(link)
     end = time.monotonic() + 30
     while not job.finished or job.in_flight:
         assert time.monotonic() < end, "a failed staged transfer must end"
-        b.agent.progress()
+        b.engine.agent.progress()
         job.step()
     assert job.error, "a WRITE to a removed peer must fail the job"
     assert job.done_pieces < len(job.pieces)
-    assert local.free == local.num_slots  # no local slot is lost to the failure
-    assert a.agent.live["xfer"] == 0  # nothing in flight is left counted as live
+    assert a.staging.free == a.staging.num_slots  # no local slot is lost to the failure
+    assert a.engine.agent.live["xfer"] == 0  # nothing in flight is left counted as live

@@ -1,8 +1,10 @@
-"""Decode side of the staging path: slot grants, and the thread that scatters pieces.
+"""Decode side of the staging path: slot grants, and the two threads that scatter pieces.
 
-Statuses of a staged room pass through the same FIFO as its pieces, so Success is only
-applied after every piece that arrived before it has been scattered (and, on GPUs, after
-the scatter finished on its stream).
+The launcher thread starts each landed piece's scatter at once (``ScatterQueue``); the
+completer thread waits for them in order and frees each slot (``PieceDone``) as soon as its
+scatter has finished on the copy stream. Statuses of a staged room pass through the same
+queue as its pieces, so Success is only applied after every piece that arrived before it has
+been scattered.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sgl_nixl_plugin.engine.layout import Geometry
+from sgl_nixl_plugin.engine.scatter_queue import ScatterQueue
 from sgl_nixl_plugin.engine.staging import StagingBuffer, unit_indices_of
 from sgl_nixl_plugin.wire.messages import (
     AbortAck,
@@ -32,7 +35,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SLOTS_PER_ROOM = 2  # double buffering: piece i lands while piece i-1 is scattered
+# Receiver slots one room may hold: pieces land in one while earlier ones are scattered and
+# their PieceDone travels back (two would leave the sender waiting for that round trip).
+SLOTS_PER_ROOM = 4
 
 
 class DecodeStaging:
@@ -48,11 +53,16 @@ class DecodeStaging:
         self.stream: Any = None
         self.room_slots: dict[int, list[int]] = {}
         self.room_pages: dict[int, np.ndarray] = {}
+        self._room_units: dict[tuple[int, int, int, int], Any] = {}  # prepared per chunk
         self._quarantine: deque[tuple[float, list[int]]] = deque()
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self.scatters: ScatterQueue | None = None
         self.thread = threading.Thread(target=self._run, name="sgl-nixl-scatter", daemon=True)
+        self.completer = threading.Thread(
+            target=self._complete, name="sgl-nixl-scatter-done", daemon=True
+        )
 
     def start(self) -> None:
         from sgl_nixl_plugin.engine.copy_kernels import make_copier
@@ -62,11 +72,16 @@ class DecodeStaging:
             import torch
 
             self.stream = torch.cuda.Stream(device=self.device)
+        self.scatters = ScatterQueue(self.copier, self.stream)
         self.thread.start()
+        self.completer.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._queue.put(None)
+        if self.scatters is not None:
+            self.scatters.wake()
+
 
     def area(self) -> StagingArea:
         b = self.buffer
@@ -90,6 +105,8 @@ class DecodeStaging:
         with self._lock:
             slots = self.room_slots.pop(room, [])
             self.room_pages.pop(room, None)
+            for key in [k for k in self._room_units if k[0] == room]:
+                del self._room_units[key]
             if slots and not ok:
                 hold = self.mgr.settings.abort_drain_timeout_s
                 self._quarantine.append((time.monotonic() + hold, slots))
@@ -106,21 +123,37 @@ class DecodeStaging:
         self._queue.put(msg)
 
     def _run(self) -> None:
+        """Launcher: start each piece's scatter; queue statuses behind earlier pieces."""
+        assert self.scatters is not None
         while not self._stop.is_set():
             msg = self._queue.get()
             if msg is None:
                 continue
             try:
                 if isinstance(msg, PieceReady):
-                    self._scatter(msg)
-                elif isinstance(msg, AbortAck):
-                    self.mgr.note_abort_ack(msg.room, msg.prefill_rank, msg.generation)
+                    self._launch(msg)
                 else:
-                    self.mgr.apply_status(msg)
+                    self.scatters.after(msg)
             except Exception:
                 logger.exception("sgl-nixl: scatter thread error (room %s); it goes on", msg.room)
 
-    def _scatter(self, m: PieceReady) -> None:
+    def _complete(self) -> None:
+        """Completer: in arrival order, free each scattered piece's slot, apply statuses."""
+        assert self.scatters is not None
+        mgr = self.mgr
+        while not self._stop.is_set():
+            for item in self.scatters.wait(timeout=0.5):
+                try:
+                    if isinstance(item, PieceReady):
+                        mgr.send_to((item.ip, item.port), PieceDone(item.room, mgr.engine.name, item.slot))
+                    elif isinstance(item, AbortAck):
+                        mgr.note_abort_ack(item.room, item.prefill_rank, item.generation)
+                    else:
+                        mgr.apply_status(item)
+                except Exception:
+                    logger.exception("sgl-nixl: scatter completion error (room %s)", item.room)
+
+    def _launch(self, m: PieceReady) -> None:
         mgr = self.mgr
         with self._lock:
             slots = self.room_slots.get(m.room, [])
@@ -132,14 +165,21 @@ class DecodeStaging:
                 mgr.record_failure(m.room, f"staging piece rejected: {problem}")
                 mgr.update_status(m.room, 0)
             return
-        geo = Geometry(m.unit_len, m.units_per_item, m.unit_len, m.dst_stride, 0, m.dst_offset)
-        units = unit_indices_of(pages[m.page_start : m.page_start + m.page_count], geo)
-        self.copier.scatter(
-            self.bases[m.r0 : m.r1], units[m.j0 : m.j1], m.unit_len, m.dst_stride,
-            m.dst_offset, self.buffer.addr(m.slot), self.stream,
+        key = (m.room, m.page_start, m.page_count, m.units_per_item)
+        with self._lock:
+            units = self._room_units.get(key)
+        if units is None:
+            geo = Geometry(m.unit_len, m.units_per_item, m.unit_len, m.dst_stride, 0, m.dst_offset)
+            host = unit_indices_of(pages[m.page_start : m.page_start + m.page_count], geo)
+            units = self.copier.prepare_units(host, self.stream)
+            with self._lock:
+                if m.room in self.room_slots:  # not if the room ended meanwhile
+                    self._room_units[key] = units
+        assert self.scatters is not None
+        self.scatters.launch(
+            m, bases=self.bases[m.r0 : m.r1], units=units[m.j0 : m.j1], unit_len=m.unit_len,
+            stride=m.dst_stride, offset=m.dst_offset, stage=self.buffer.addr(m.slot),
         )
-        self.copier.synchronize(self.stream)
-        mgr.send_to((m.ip, m.port), PieceDone(m.room, mgr.engine.name, m.slot))
 
     def _validate(self, m: PieceReady, slots: list[int], pages: np.ndarray | None) -> str:
         if pages is None or m.slot not in slots:

@@ -418,7 +418,7 @@ class NixlPluginKVManager(CommonKVManager):
             threads = [self.listener.thread]
             if self.staging is not None:
                 self.staging.stop()
-                threads.append(self.staging.thread)
+                threads += [self.staging.thread, self.staging.completer]
         for t in threads:
             t.join(timeout=5)
         self.engine.close()

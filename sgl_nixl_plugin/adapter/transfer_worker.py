@@ -30,6 +30,7 @@ from sgl_nixl_plugin.engine.descriptors import expected_descriptors
 from sgl_nixl_plugin.engine.staging import (
     StagedSend,
     choose_path,
+    piece_bytes,
     plan_pieces,
     staging_unit_len,
     unit_indices_of,
@@ -42,9 +43,6 @@ if TYPE_CHECKING:
     from sgl_nixl_plugin.adapter.manager import NixlPluginKVManager
 
 logger = logging.getLogger(__name__)
-
-
-
 
 
 class TransferWorker:
@@ -84,7 +82,10 @@ class TransferWorker:
                     self._backoff = self.MIN_BACKOFF_S
                     self._submit(chunk)
                     chunk = self.queue.get_nowait() if not self.queue.empty() else None
-                if self._poll() == 0 and busy:
+                staged = any(p.jobs for p in self.rooms.values())
+                if self._poll() == 0 and busy and not staged:
+                    # staged pieces move in ~0.1 ms steps (gather done, WRITE done, slot
+                    # freed): keep the shortest wait while any is in flight
                     self._backoff = min(self._backoff * 2, self.MAX_BACKOFF_S)
                 else:
                     self._backoff = self.MIN_BACKOFF_S
@@ -180,9 +181,9 @@ class TransferWorker:
         credits = mgr.remote_free.get(chunk.room, {}).get(info.agent)
         staging = mgr.staging
         unit_len = staging_unit_len(mgr.engine.memory.kv, g.geometry) if g else None
+        slot = min(staging.slot_bytes, peer.staging.slot_bytes) if staging and peer.staging else 0
         possible = bool(
-            g and staging is not None and peer.staging is not None and credits is not None
-            and unit_len and len(chunk.pages)
+            g and credits is not None and unit_len and unit_len <= slot and len(chunk.pages)
         )
         n = len(chunk.pages)
         path = choose_path(
@@ -206,7 +207,10 @@ class TransferWorker:
             src_bases=np.asarray(mgr.engine.memory.kv.ptrs, dtype=np.uint64)[: g.num_regions],
             units=units,
             geometry=geo,
-            pieces=plan_pieces(g.num_regions, len(units), unit_len, min(staging.slot_bytes, peer.staging.slot_bytes)),
+            pieces=plan_pieces(
+                g.num_regions, len(units), unit_len,
+                piece_bytes(g.unit_bytes * n, slot, mgr.kv_mem_kind),
+            ),
             remote_free=credits,
             stream=mgr.copy_stream,
             drain_timeout_s=mgr.settings.abort_drain_timeout_s,

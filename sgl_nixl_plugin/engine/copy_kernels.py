@@ -62,6 +62,11 @@ class Copier(Protocol):
 
     def synchronize(self, stream: Any = None) -> None: ...
 
+    def prepare_units(self, units: Any, stream: Any = None) -> Any:
+        """``units`` in the form this copier reads fastest (a device tensor on GPUs),
+        uploaded once per request; slices of it are valid ``units`` for later calls."""
+        ...
+
 
 # -- argument checks shared by every copier -----------------------------------------------
 
@@ -110,9 +115,13 @@ def _low_bit(x: int) -> int:
 
 def _alignment(bases: np.ndarray, unit_len: int, stride: int, offset: int, stage: int) -> int:
     """The largest power of two (capped at 16) that divides every address the copy touches."""
-    acc = int(np.bitwise_or.reduce(bases + np.uint64(offset))) if bases.size else 0
-    acc |= unit_len | stride | stage
-    return min(16, _low_bit(acc))
+    acc = int(np.bitwise_or.reduce(bases)) if bases.size else 0
+    return _align_of(acc, unit_len, stride, offset, stage)
+
+
+def _align_of(bases_or: int, unit_len: int, stride: int, offset: int, stage: int) -> int:
+    """``_alignment`` from the OR of the base addresses (cached per set of bases)."""
+    return min(16, _low_bit(bases_or | offset | unit_len | stride | stage))
 
 
 # -- DRAM: numpy ---------------------------------------------------------------------------
@@ -158,6 +167,9 @@ class NumpyCopier:
 
     def synchronize(self, stream: Any = None) -> None:
         pass  # numpy copies are synchronous
+
+    def prepare_units(self, units: Any, stream: Any = None) -> np.ndarray:
+        return _as_units(units)
 
     @staticmethod
     def _copy(
@@ -253,19 +265,24 @@ class _DeviceIndex:
         self._bases: OrderedDict[bytes, tuple[Any, Any]] = OrderedDict()
         self._units: list[tuple[np.ndarray, Any, Any]] = []  # (host copy, tensor, ready event)
 
-    def bases(self, b: np.ndarray, stream: Any) -> Any:
-        key = b.tobytes()
+    def bases(self, bases: Any, stream: Any) -> tuple[Any, int]:
+        """The device copy of ``bases`` and the OR of all of them (for the alignment);
+        validated and uploaded once per distinct set (they repeat for every piece)."""
+        key = bases.tobytes() if isinstance(bases, np.ndarray) else bytes(np.asarray(bases))
         with self._lock:
             hit = self._bases.get(key)
             if hit is not None:
                 self._bases.move_to_end(key)
         if hit is None:
-            hit = self._upload(b.view(np.int64), stream)
+            b = _as_bases(bases)
+            acc = int(np.bitwise_or.reduce(b)) if b.size else 0
+            dev, ev = self._upload(b.view(np.int64), stream)
+            hit = (dev, ev, acc, len(b))
             with self._lock:
                 self._bases[key] = hit
                 while len(self._bases) > self.BASES_CACHE:
                     self._bases.popitem(last=False)
-        return self._ready(hit, stream)
+        return self._ready(hit[:2], stream), hit[2]
 
     def units(self, u: Any, stream: Any) -> Any:
         torch = self.torch
@@ -477,24 +494,27 @@ class TritonCopier:
                 f"stride {stride}, offset {offset})"
             )
 
+    def prepare_units(self, units: Any, stream: Any = None) -> Any:
+        with _StreamScope(self.torch, self.device, stream) as s:
+            return self._index.units(units, s)
+
     def _copy(
         self, gather: bool, bases: Any, units: Any, unit_len: int, stride: int, offset: int,
         stage: int, stream: Any,
     ) -> None:
         unit_len, stride, offset, stage = int(unit_len), int(stride), int(offset), int(stage)
         _check_geometry(unit_len, stride, offset, stage)
-        b = _as_bases(bases)
         n = int(units.shape[0]) if hasattr(units, "shape") else len(units)
-        if n == 0 or len(b) == 0:
+        if n == 0 or len(bases) == 0:
             return
-        align = _alignment(b, unit_len, stride, offset, stage)
-        if align < 4:
-            raise ValueError(
-                "the Triton copier needs unit_len, stride, offset, every base address and the "
-                f"staging address to be multiples of 4 (they share only {align})"
-            )
         with _StreamScope(self.torch, self.device, stream) as s:
-            bases_t = self._index.bases(b, s)
+            bases_t, acc = self._index.bases(bases, s)
+            align = _align_of(acc, unit_len, stride, offset, stage)
+            if align < 4:
+                raise ValueError(
+                    "the Triton copier needs unit_len, stride, offset, every base address and "
+                    f"the staging address to be multiples of 4 (they share only {align})"
+                )
             units_t = self._index.units(units, s)
             launch_unit_copy(
                 gather, bases_t, units_t, n, unit_len, stride, offset, stage, align,
@@ -562,6 +582,10 @@ class TorchCopier:
             stream.synchronize()
         else:
             self.torch.cuda.synchronize(self.device)
+
+    def prepare_units(self, units: Any, stream: Any = None) -> Any:
+        with _StreamScope(self.torch, self.device, stream) as s:
+            return self._index.units(units, s)
 
     def _copy(
         self, gather: bool, bases: Any, units: Any, unit_len: int, stride: int, offset: int,

@@ -33,7 +33,12 @@ logger = logging.getLogger(__name__)
 # numpy ~4 GB/s on a small host), and the fixed host cost of one staged piece.
 DESCRIPTOR_COST_S = {"VRAM": 13e-6, "DRAM": 2.5e-6}
 COPY_BYTES_PER_S = {"VRAM": 2.0e12, "DRAM": 4.0e9}
-PIECE_OVERHEAD_S = {"VRAM": 500e-6, "DRAM": 100e-6}
+PIECE_OVERHEAD_S = {"VRAM": 100e-6, "DRAM": 100e-6}
+# Pipelining: a request is cut into about PIPELINE_PIECES pieces (so the WRITE of one overlaps
+# the gather of the next and the scatter of the one before), but never below MIN_PIECE_BYTES,
+# where the host's fixed cost per piece (~0.1 ms: launch, post, notice, tell) would dominate.
+PIPELINE_PIECES = 6
+MIN_PIECE_BYTES = {"VRAM": 48 << 20, "DRAM": 4 << 20}
 
 
 @dataclass(frozen=True)
@@ -52,10 +57,18 @@ class Piece:
         return (self.r1 - self.r0) * (self.j1 - self.j0) * self.unit_len
 
 
+def piece_bytes(nbytes: int, slot_bytes: int, mem_kind: str) -> int:
+    """How large the pieces of an ``nbytes`` transfer should be (see PIPELINE_PIECES)."""
+    target = max(MIN_PIECE_BYTES.get(mem_kind, 0), -(-nbytes // PIPELINE_PIECES))
+    return max(1, min(slot_bytes, target))
+
+
 def plan_pieces(num_regions: int, num_units: int, unit_len: int, slot_bytes: int) -> list[Piece]:
     """Cut (regions x units) into pieces of at most ``slot_bytes``, region-major."""
     if num_units == 0 or num_regions == 0:
         return []
+    if unit_len > slot_bytes:
+        raise ValueError(f"a {unit_len}-byte unit does not fit a {slot_bytes}-byte staging slot")
     region_bytes = num_units * unit_len
     pieces: list[Piece] = []
     if region_bytes <= slot_bytes:
@@ -186,6 +199,9 @@ class StagedSend:
     remote_free: deque[int]  # receiver slots this room may write; shared by its chunks
     stream: Any = None
     drain_timeout_s: float = 5.0  # after an error, how long in-flight WRITEs may take to settle
+    ahead: int = 3  # pieces gathered but not yet posted, at most (bounded by free local slots)
+    trace: list[tuple[int, str, float]] | None = None  # (piece, step, perf_counter) if kept
+    _units_dev: Any = None  # ``units`` as the copier reads them (uploaded at the first gather)
     _next: int = 0
     _gathered: deque[_InFlight] = field(default_factory=deque)
     _writing: list[_InFlight] = field(default_factory=list)
@@ -232,20 +248,23 @@ class StagedSend:
             self.done_pieces += 1
             self.nbytes += f.piece.nbytes
             landed.append((f.piece, f.remote_slot))
+            self._note(f.piece, "write done")
         self._writing = still
         if self.error:
             self.abandon()  # nothing more is posted: give back gathered pieces' slots
             return landed
         # 2. gather ahead into free local slots (bounded by the buffer: backpressure)
-        while self._next < len(self.pieces) and len(self._gathered) < 2:
+        while self._next < len(self.pieces) and len(self._gathered) < self.ahead:
             slots = self.local.acquire(1)
             if not slots:
                 break
             piece = self.pieces[self._next]
             self._next += 1
             g = self.geometry
+            if self._units_dev is None:
+                self._units_dev = self.copier.prepare_units(self.units, self.stream)
             self.copier.gather(
-                self.src_bases[piece.r0 : piece.r1], self.units[piece.j0 : piece.j1],
+                self.src_bases[piece.r0 : piece.r1], self._units_dev[piece.j0 : piece.j1],
                 piece.unit_len, g.src_stride or piece.unit_len, g.src_offset,
                 self.local.addr(slots[0]), self.stream,
             )
@@ -256,6 +275,7 @@ class StagedSend:
                 f.event = torch.cuda.Event()
                 f.event.record(self.stream)
             self._gathered.append(f)
+            self._note(piece, "gather launched")
         # 3. post WRITEs for gathered pieces that have a receiver slot
         while self._gathered and self.remote_free:
             f = self._gathered[0]
@@ -278,7 +298,12 @@ class StagedSend:
                 return landed
             self._writing.append(f)
             self.posted += 1
+            self._note(f.piece, "write posted")
         return landed
+
+    def _note(self, piece: Piece, step: str) -> None:
+        if self.trace is not None:
+            self.trace.append((piece.index, step, time.perf_counter()))
 
     def abandon(self, reason: str = "abandoned") -> None:
         """Stop: give back local slots of pieces never posted; in-flight WRITEs still drain."""
