@@ -171,6 +171,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-torch", action="store_true",
                    help="DRAM only: run the torch code paths (pool, ceiling, plain staging, "
                         "pattern, verification) on CPU tensors, to test them without a GPU")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="run both processes under cProfile; their top functions go to DIR")
     p.add_argument("--json", default=None, help="write the results here (after each page size)")
     args = p.parse_args(argv)
     q = args.quick
@@ -1026,13 +1028,34 @@ def sender_main(cfg: dict, page_size: int, conn, result_conn, budget_s: float) -
 
 
 # ----------------------------------------------------------------------------- main side
+def _profiled(cfg: dict, name: str, fn: Any, *args: Any) -> None:
+    """Run ``fn(*args)``; with ``--profile DIR``, under cProfile, the top of it to DIR/name.txt."""
+    if not cfg.get("profile"):
+        fn(*args)
+        return
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(fn, *args)
+    finally:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(40)
+        Path(cfg["profile"]).mkdir(parents=True, exist_ok=True)
+        (Path(cfg["profile"]) / f"{name}.txt").write_text(out.getvalue())
+
+
 def run_page_size(cfg: dict, page_size: int, budget_s: float) -> dict:
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe(duplex=True)
     res_r, res_w = ctx.Pipe(duplex=False)
-    recv = ctx.Process(target=receiver_main, args=(cfg, page_size, b), daemon=True,
-                       name=f"bench-recv-ps{page_size}")
-    send = ctx.Process(target=sender_main, args=(cfg, page_size, a, res_w, budget_s),
+    recv = ctx.Process(target=_profiled, args=(cfg, f"recv-ps{page_size}", receiver_main,
+                                               cfg, page_size, b),
+                       daemon=True, name=f"bench-recv-ps{page_size}")
+    send = ctx.Process(target=_profiled, args=(cfg, f"send-ps{page_size}", sender_main, cfg,
+                                               page_size, a, res_w, budget_s),
                        daemon=True, name=f"bench-send-ps{page_size}")
     procs = [recv, send]
     result: dict[str, Any] = {"page_size": page_size, "rows": {}}

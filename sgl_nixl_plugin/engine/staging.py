@@ -253,30 +253,7 @@ class StagedSend:
         if self.error:
             self.abandon()  # nothing more is posted: give back gathered pieces' slots
             return landed
-        # 2. gather ahead into free local slots (bounded by the buffer: backpressure)
-        while self._next < len(self.pieces) and len(self._gathered) < self.ahead:
-            slots = self.local.acquire(1)
-            if not slots:
-                break
-            piece = self.pieces[self._next]
-            self._next += 1
-            g = self.geometry
-            if self._units_dev is None:
-                self._units_dev = self.copier.prepare_units(self.units, self.stream)
-            self.copier.gather(
-                self.src_bases[piece.r0 : piece.r1], self._units_dev[piece.j0 : piece.j1],
-                piece.unit_len, g.src_stride or piece.unit_len, g.src_offset,
-                self.local.addr(slots[0]), self.stream,
-            )
-            f = _InFlight(piece, slots[0], -1)
-            if self.stream is not None:
-                import torch
-
-                f.event = torch.cuda.Event()
-                f.event.record(self.stream)
-            self._gathered.append(f)
-            self._note(piece, "gather launched")
-        # 3. post WRITEs for gathered pieces that have a receiver slot
+        # 2. post WRITEs for gathered pieces that have a receiver slot
         while self._gathered and self.remote_free:
             f = self._gathered[0]
             if f.event is not None and not f.event.query():
@@ -299,6 +276,32 @@ class StagedSend:
             self._writing.append(f)
             self.posted += 1
             self._note(f.piece, "write posted")
+        # 3. gather the next piece into a free local slot (bounded by the buffer:
+        # backpressure). One per call, after posting: a launch costs ~0.1 ms of host time,
+        # which must not delay the WRITE of a piece that is ready
+        if self._next < len(self.pieces) and len(self._gathered) < self.ahead:
+            slots = self.local.acquire(1)
+        else:
+            slots = []
+        if slots:
+            piece = self.pieces[self._next]
+            self._next += 1
+            g = self.geometry
+            if self._units_dev is None:
+                self._units_dev = self.copier.prepare_units(self.units, self.stream)
+            self.copier.gather(
+                self.src_bases[piece.r0 : piece.r1], self._units_dev[piece.j0 : piece.j1],
+                piece.unit_len, g.src_stride or piece.unit_len, g.src_offset,
+                self.local.addr(slots[0]), self.stream,
+            )
+            f = _InFlight(piece, slots[0], -1)
+            if self.stream is not None:
+                import torch
+
+                f.event = torch.cuda.Event()
+                f.event.record(self.stream)
+            self._gathered.append(f)
+            self._note(piece, "gather launched")
         return landed
 
     def _note(self, piece: Piece, step: str) -> None:
