@@ -508,8 +508,10 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
 
         def finished() -> None:
             # scatters done so far, oldest first: free their slots (like PieceDone)
+            _hot(True)
             for slot, t_got, t_launched in scatters.ready():
                 conn.send(("scattered", slot, t_got, t_launched[0], time.perf_counter()))
+            _hot(False)
 
         while True:
             last = time.perf_counter()
@@ -539,6 +541,7 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
                     dst_dev = side.idx(dst) if side.torch is not None else dst
                     dst_units = None  # prepared at its first piece (inside the timed row)
                 elif kind == "piece":
+                    _hot(True)
                     _, slot, r0, r1, j0, j1, unit_len = msg
                     t_got = time.perf_counter()
                     if dst_units is None:
@@ -548,6 +551,7 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
                                     units=dst_units[j0:j1], unit_len=unit_len, stride=unit_len,
                                     offset=0, stage=st.addr(slot))
                     launched[0] = time.perf_counter()
+                    _hot(False)
                     finished()
                 elif kind == "scatter_all":
                     n = len(dst)
@@ -761,6 +765,7 @@ class Sender:
         conn = self.conn
         s.sync()
         deadline = self._deadline()
+        _hot(True)
         t0 = time.perf_counter()
         tune = {"PIPELINE_PIECES": self.cfg["pipeline_pieces"]}
         if self.cfg["min_piece_mib"] is not None:
@@ -821,6 +826,7 @@ class Sender:
                 job.step()
             raise
         t_end = time.perf_counter()
+        _hot(False)
         dt = t_end - t0
         return dt, {"pieces": len(pieces), "step_ms": step_s * 1e3,
                     "gather_call_ms": copier.seconds * 1e3, **timeline(t0, trace, replies)}
@@ -1028,8 +1034,18 @@ def sender_main(cfg: dict, page_size: int, conn, result_conn, budget_s: float) -
 
 
 # ----------------------------------------------------------------------------- main side
+_PROFILE: Any = None  # with --profile: a cProfile.Profile enabled only inside the hot paths
+
+
+def _hot(on: bool) -> None:
+    """Profile only the timed staging path (the sender's row 5, the receiver's pieces)."""
+    if _PROFILE is not None:
+        _PROFILE.enable() if on else _PROFILE.disable()
+
+
 def _profiled(cfg: dict, name: str, fn: Any, *args: Any) -> None:
-    """Run ``fn(*args)``; with ``--profile DIR``, under cProfile, the top of it to DIR/name.txt."""
+    """Run ``fn(*args)``; with ``--profile DIR``, the profile of its hot paths to DIR/name.txt."""
+    global _PROFILE
     if not cfg.get("profile"):
         fn(*args)
         return
@@ -1037,12 +1053,14 @@ def _profiled(cfg: dict, name: str, fn: Any, *args: Any) -> None:
     import io
     import pstats
 
-    prof = cProfile.Profile()
+    _PROFILE = cProfile.Profile()
     try:
-        prof.runcall(fn, *args)
+        fn(*args)
     finally:
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(40)
+        stats = pstats.Stats(_PROFILE, stream=out)
+        stats.sort_stats("tottime").print_stats(45)
+        stats.sort_stats("cumulative").print_stats(45)
         Path(cfg["profile"]).mkdir(parents=True, exist_ok=True)
         (Path(cfg["profile"]) / f"{name}.txt").write_text(out.getvalue())
 
