@@ -295,6 +295,12 @@ class _NumpyStandIn:
     def prepare_units(self, units, stream=None):
         return np.asarray(units, dtype=np.int64)
 
+    def prepare_bases(self, bases, stream=None):
+        return np.asarray(bases, dtype=np.uint64)
+
+    def bind(self, stream=None):
+        return None
+
 
 class _TimedCopier:
     """Sums the host time spent in ``gather`` (all of it on DRAM; the launch on VRAM)."""
@@ -316,6 +322,12 @@ class _TimedCopier:
 
     def prepare_units(self, units: Any, stream: Any = None) -> Any:
         return self.inner.prepare_units(units, stream)
+
+    def prepare_bases(self, bases: Any, stream: Any = None) -> Any:
+        return self.inner.prepare_bases(bases, stream)
+
+    def bind(self, stream: Any) -> None:
+        self.inner.bind(stream)
 
 
 def load_copier(mem: str, device: int, prefer: str = "auto") -> tuple[Any, str]:
@@ -500,6 +512,8 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
         }))
         dst = src = dst_dev = dst_units = None
         scatters = ScatterQueue(copier, side.stream)
+        copier.bind(side.stream)  # like the decode's scatter thread: one stream, bound once
+        bases_dev = copier.prepare_bases(side.bases, side.stream)
         idle = cfg["setup_timeout_s"] + cfg["req_timeout_s"] + 60
         # The agent has no progress thread: like the adapter's decode listener, progress it
         # between messages (a two-sided transport, e.g. UCX over TCP, needs the target to).
@@ -547,7 +561,7 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
                     if dst_units is None:
                         dst_units = copier.prepare_units(dst, side.stream)
                     launched = [0.0]  # set once the launch call returned
-                    scatters.launch((slot, t_got, launched), bases=side.bases[r0:r1],
+                    scatters.launch((slot, t_got, launched), bases=bases_dev[r0:r1],
                                     units=dst_units[j0:j1], unit_len=unit_len, stride=unit_len,
                                     offset=0, stage=st.addr(slot))
                     launched[0] = time.perf_counter()
@@ -625,6 +639,7 @@ class Sender:
         self.side = Side(cfg, page_size, cfg["send_gpu"])
         self.side.fill_pattern()
         self.copier, self.copier_name = load_copier(self.mem, cfg["send_gpu"], cfg["copier"])
+        self.copier.bind(self.side.stream)  # like a prefill transfer worker
         hello = _recv(conn, cfg["setup_timeout_s"], "hello")[1]
         self.peer_info = hello
         conn.send(("peer", self.side.agent.metadata))

@@ -59,6 +59,7 @@ class DecodeStaging:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stop = threading.Event()
         self.scatters: ScatterQueue | None = None
+        self._bases_dev: Any = None
         self.thread = threading.Thread(target=self._run, name="sgl-nixl-scatter", daemon=True)
         self.completer = threading.Thread(
             target=self._complete, name="sgl-nixl-scatter-done", daemon=True
@@ -73,6 +74,7 @@ class DecodeStaging:
 
             self.stream = torch.cuda.Stream(device=self.device)
         self.scatters = ScatterQueue(self.copier, self.stream)
+        self._bases_dev = self.copier.prepare_bases(self.bases, self.stream)
         self.thread.start()
         self.completer.start()
 
@@ -125,6 +127,7 @@ class DecodeStaging:
     def _run(self) -> None:
         """Launcher: start each piece's scatter; queue statuses behind earlier pieces."""
         assert self.scatters is not None
+        self.copier.bind(self.stream)  # this thread only launches scatters on that stream
         while not self._stop.is_set():
             msg = self._queue.get()
             if msg is None:
@@ -177,7 +180,7 @@ class DecodeStaging:
                     self._room_units[key] = units
         assert self.scatters is not None
         self.scatters.launch(
-            m, bases=self.bases[m.r0 : m.r1], units=units[m.j0 : m.j1], unit_len=m.unit_len,
+            m, bases=self._bases_dev[m.r0 : m.r1], units=units[m.j0 : m.j1], unit_len=m.unit_len,
             stride=m.dst_stride, offset=m.dst_offset, stage=self.buffer.addr(m.slot),
         )
 

@@ -71,6 +71,8 @@ class TransferWorker:
         self.queue.put(None)
 
     def _run(self) -> None:
+        if self.mgr.copier is not None:
+            self.mgr.copier.bind(self.mgr.copy_stream)  # this thread gathers on that stream
         while not self._stop.is_set():
             busy = any(p.busy for p in self.rooms.values())
             try:

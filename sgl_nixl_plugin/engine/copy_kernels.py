@@ -67,6 +67,15 @@ class Copier(Protocol):
         uploaded once per request; slices of it are valid ``units`` for later calls."""
         ...
 
+    def prepare_bases(self, bases: Any, stream: Any = None) -> Any:
+        """``bases`` likewise (uploaded once per set); slices are valid ``bases``."""
+        ...
+
+    def bind(self, stream: Any) -> None:
+        """Called once by a thread that will copy on ``stream`` (lets GPU copiers skip
+        switching stream per call)."""
+        ...
+
 
 # -- argument checks shared by every copier -----------------------------------------------
 
@@ -171,6 +180,12 @@ class NumpyCopier:
     def prepare_units(self, units: Any, stream: Any = None) -> np.ndarray:
         return _as_units(units)
 
+    def prepare_bases(self, bases: Any, stream: Any = None) -> np.ndarray:
+        return _as_bases(bases)
+
+    def bind(self, stream: Any) -> None:
+        pass
+
     @staticmethod
     def _copy(
         gather: bool, bases: Any, units: Any, unit_len: int, stride: int, offset: int, stage: int
@@ -249,6 +264,23 @@ class _StreamScope:
     def __exit__(self, *exc: Any) -> None:
         self._str.__exit__(*exc)
         self._dev.__exit__(*exc)
+
+
+class DeviceBases:
+    """Region base addresses already on the GPU (``prepare_bases``). Slicing keeps them
+    there, so the pieces of a request share one upload; ``bits`` is the OR of every
+    address (a conservative alignment for any slice)."""
+
+    __slots__ = ("tensor", "bits")
+
+    def __init__(self, tensor: Any, bits: int) -> None:
+        self.tensor, self.bits = tensor, bits
+
+    def __len__(self) -> int:
+        return int(self.tensor.shape[0])
+
+    def __getitem__(self, s: slice) -> DeviceBases:
+        return DeviceBases(self.tensor[s], self.bits)
 
 
 class _DeviceIndex:
@@ -405,9 +437,11 @@ def tile_shape(unit_words: int, tile_bytes: int = TILE_BYTES) -> tuple[int, int,
 def launch_unit_copy(
     gather: bool, bases_t: Any, units_t: Any, n: int, unit_len: int, stride: int, offset: int,
     stage: int, align: int, tile_bytes: int = TILE_BYTES, num_warps: int = NUM_WARPS,
+    fast: _FastLaunch | None = None,
 ) -> None:
     """Launch the kernel on the current stream. ``bases_t`` (int64) and ``units_t`` (int64
-    or int32) are tensors the kernel can read; ``align`` comes from ``_alignment``."""
+    or int32) are tensors the kernel can read; ``align`` comes from ``_alignment``. With
+    ``fast``, a specialization launched before skips Triton's Python dispatch."""
     if align < 4:
         raise ValueError(
             "the Triton copier needs 4-byte alignment of unit_len, stride, offset, every base "
@@ -421,13 +455,76 @@ def launch_unit_copy(
     programs = -(-n // block_u) * -(-unit_words // block_w)
     if programs >= 1 << 31:
         raise ValueError("request too large for one launch")
+    args = (bases_t, units_t, n, stage, unit_words, stride, offset,
+            bool(gather), align, block_u, block_w, even)
+    if fast is not None and fast.launch((programs, regions), num_warps, args):
+        return
     kernel = _triton_kernel()
     with _LAUNCH_LOCK:  # one compile per shape, even when several threads start at once
-        kernel[(programs, regions)](
+        compiled = kernel[(programs, regions)](
             bases_t, units_t, n, stage, unit_words, stride, offset,
             GATHER=bool(gather), ALIGN=align, BLOCK_U=block_u, BLOCK_W=block_w, EVEN_W=even,
             num_warps=num_warps,
         )
+    if fast is not None:
+        fast.remember(num_warps, args, compiled)
+
+
+def _spec(x: int) -> tuple[bool, bool]:
+    return x == 1, x % 16 == 0
+
+
+class _FastLaunch:
+    """Launches a kernel specialization Triton compiled before, through its compiled
+    launcher: Triton's generic dispatch (argument binding, specialization key, cache lookup)
+    costs tens of microseconds per call in Python, paid per staged piece.
+
+    The key mirrors what Triton specializes on: the constexprs, 16-byte alignment of the
+    two pointers, the index dtype, and (=1, %16) of the integer arguments it does not
+    treat as ``do_not_specialize``. ``TritonCopier.warmup`` checks the bytes it copies;
+    any failure turns it off for good (the generic path remains)."""
+
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+        self.enabled = True
+        self._kernels: dict[tuple, Any] = {}
+        try:
+            from triton import knobs
+
+            self._hooks: Any = knobs.runtime
+        except Exception:  # older Triton: hooks live on CompiledKernel
+            self._hooks = None
+
+    @staticmethod
+    def _key(num_warps: int, args: tuple) -> tuple:
+        bases_t, units_t, _, _, unit_words, stride, offset = args[:7]
+        return (num_warps, *args[7:], units_t.dtype, bases_t.data_ptr() % 16 == 0,
+                units_t.data_ptr() % 16 == 0, _spec(unit_words), _spec(stride), _spec(offset))
+
+    def remember(self, num_warps: int, args: tuple, compiled: Any) -> None:
+        if self.enabled and compiled is not None and hasattr(compiled, "run"):
+            self._kernels[self._key(num_warps, args)] = compiled
+
+    def launch(self, grid: tuple[int, int], num_warps: int, args: tuple) -> bool:
+        if not self.enabled:
+            return False
+        ck = self._kernels.get(self._key(num_warps, args))
+        if ck is None:
+            return False
+        try:
+            stream = self.torch._C._cuda_getCurrentRawStream(self.torch._C._cuda_getDevice())
+            full = (grid[0], grid[1], 1)
+            hooks = self._hooks
+            enter = getattr(hooks, "launch_enter_hook", None) if hooks else None
+            leave = getattr(hooks, "launch_exit_hook", None) if hooks else None
+            meta = ck.launch_metadata(full, stream, *args)
+            ck.run(full[0], full[1], full[2], stream, ck.function, ck.packed_metadata, meta,
+                   enter, leave, *args)
+            return True
+        except Exception as exc:
+            logger.warning("sgl-nixl: fast Triton launch failed (%s); using Triton's own", exc)
+            self.enabled = False
+            return False
 
 
 class TritonCopier:
@@ -445,7 +542,40 @@ class TritonCopier:
         self.tile_bytes = tile_bytes
         self.num_warps = num_warps
         self._index = _DeviceIndex(torch, self.device)
+        self._fast = _FastLaunch(torch)
+        self._prepared: dict[tuple[bytes, int], DeviceBases] = {}
         _triton_kernel()
+
+    def bind(self, stream: Any) -> None:
+        """Make ``stream`` (on our device) the calling thread's current one, so that calls
+        from this thread with that stream skip switching device and stream per call. For
+        threads that only ever copy (the staging threads)."""
+        torch = self.torch
+        torch.cuda.set_device(self.device)
+        if stream is not None:
+            torch.cuda.set_stream(stream)
+
+    def _is_current(self, stream: Any) -> bool:
+        c = self.torch._C
+        dev = c._cuda_getDevice()
+        if dev != self.device.index:
+            return False
+        return stream is None or c._cuda_getCurrentRawStream(dev) == stream.cuda_stream
+
+    def prepare_bases(self, bases: Any, stream: Any = None) -> DeviceBases:
+        """``bases`` uploaded once per set and stream; slice the result per piece."""
+        b = _as_bases(bases)
+        key = (b.tobytes(), 0 if stream is None else stream.cuda_stream)
+        hit = self._prepared.get(key)
+        if hit is None:
+            with _StreamScope(self.torch, self.device, stream) as s:
+                dev, _ = self._index._upload(b.view(np.int64), s)
+            hit = DeviceBases(dev, int(np.bitwise_or.reduce(b)) if b.size else 0)
+            with self._index._lock:
+                self._prepared[key] = hit
+                while len(self._prepared) > _DeviceIndex.BASES_CACHE:
+                    self._prepared.pop(next(iter(self._prepared)))
+        return hit
 
     def gather(
         self, bases: np.ndarray, units: Any, unit_len: int, stride: int, offset: int,
@@ -493,6 +623,41 @@ class TritonCopier:
                 f"the Triton copier copied wrong bytes in its self-test (unit_len {unit_len}, "
                 f"stride {stride}, offset {offset})"
             )
+        self._check_fast(region, before, bases, units, unit_len, stride, offset)
+
+    def _check_fast(
+        self, region: Any, before: Any, bases: np.ndarray, units: np.ndarray, unit_len: int,
+        stride: int, offset: int,
+    ) -> None:
+        """Run the per-piece path (prepared bases and units, fast launches) twice and compare
+        bytes; on any failure keep only Triton's own dispatch."""
+        torch = self.torch
+        if not self._fast.enabled:
+            return
+        try:
+            with _StreamScope(torch, self.device, None):
+                b = self.prepare_bases(bases)
+                u = self.prepare_units(units)
+                stage = torch.zeros(2 * unit_len, dtype=torch.uint8, device=self.device)
+                want = torch.cat([before[offset + k * stride:][:unit_len] for k in (2, 0)])
+                ok = True
+                for _ in range(2):  # the first call compiles and remembers, the second reuses
+                    stage.zero_()
+                    self.gather(b, u, unit_len, stride, offset, stage.data_ptr())
+                    ok = ok and torch.equal(stage, want)
+                    region.zero_()
+                    self.scatter(b, u, unit_len, stride, offset, stage.data_ptr())
+                    ok = ok and torch.equal(region, before * (region != 0)) and all(
+                        torch.equal(region[offset + k * stride:][:unit_len],
+                                    before[offset + k * stride:][:unit_len]) for k in (2, 0)
+                    )
+                torch.cuda.synchronize(self.device)
+        except Exception as exc:
+            ok = False
+            logger.warning("sgl-nixl: the fast Triton launch path failed its self-test: %s", exc)
+        if not ok:
+            self._fast.enabled = False
+            logger.warning("sgl-nixl: fast Triton launches off (self-test); copies stay correct")
 
     def prepare_units(self, units: Any, stream: Any = None) -> Any:
         with _StreamScope(self.torch, self.device, stream) as s:
@@ -507,6 +672,20 @@ class TritonCopier:
         n = int(units.shape[0]) if hasattr(units, "shape") else len(units)
         if n == 0 or len(bases) == 0:
             return
+        if (
+            isinstance(bases, DeviceBases) and isinstance(units, self.torch.Tensor)
+            and units.is_cuda and units.dim() == 1 and self._is_current(stream)
+        ):
+            # the per-piece path: everything already on the GPU, on the right stream
+            align = _align_of(bases.bits, unit_len, stride, offset, stage)
+            if align >= 4:
+                launch_unit_copy(
+                    gather, bases.tensor, units, n, unit_len, stride, offset, stage, align,
+                    self.tile_bytes, self.num_warps, self._fast,
+                )
+                return
+        if isinstance(bases, DeviceBases):
+            bases = bases.tensor.cpu().numpy().view(np.uint64)  # rare: another thread/stream
         with _StreamScope(self.torch, self.device, stream) as s:
             bases_t, acc = self._index.bases(bases, s)
             align = _align_of(acc, unit_len, stride, offset, stage)
@@ -518,7 +697,7 @@ class TritonCopier:
             units_t = self._index.units(units, s)
             launch_unit_copy(
                 gather, bases_t, units_t, n, unit_len, stride, offset, stage, align,
-                self.tile_bytes, self.num_warps,
+                self.tile_bytes, self.num_warps, self._fast,
             )
 
 
@@ -586,6 +765,12 @@ class TorchCopier:
     def prepare_units(self, units: Any, stream: Any = None) -> Any:
         with _StreamScope(self.torch, self.device, stream) as s:
             return self._index.units(units, s)
+
+    def prepare_bases(self, bases: Any, stream: Any = None) -> np.ndarray:
+        return _as_bases(bases)
+
+    def bind(self, stream: Any) -> None:
+        pass
 
     def _copy(
         self, gather: bool, bases: Any, units: Any, unit_len: int, stride: int, offset: int,

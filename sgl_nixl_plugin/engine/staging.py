@@ -202,6 +202,7 @@ class StagedSend:
     ahead: int = 3  # pieces gathered but not yet posted, at most (bounded by free local slots)
     trace: list[tuple[int, str, float]] | None = None  # (piece, step, perf_counter) if kept
     _units_dev: Any = None  # ``units`` as the copier reads them (uploaded at the first gather)
+    _bases_dev: Any = None  # ``src_bases`` likewise
     _next: int = 0
     _gathered: deque[_InFlight] = field(default_factory=deque)
     _writing: list[_InFlight] = field(default_factory=list)
@@ -289,8 +290,9 @@ class StagedSend:
             g = self.geometry
             if self._units_dev is None:
                 self._units_dev = self.copier.prepare_units(self.units, self.stream)
+                self._bases_dev = self.copier.prepare_bases(self.src_bases, self.stream)
             self.copier.gather(
-                self.src_bases[piece.r0 : piece.r1], self._units_dev[piece.j0 : piece.j1],
+                self._bases_dev[piece.r0 : piece.r1], self._units_dev[piece.j0 : piece.j1],
                 piece.unit_len, g.src_stride or piece.unit_len, g.src_offset,
                 self.local.addr(slots[0]), self.stream,
             )
