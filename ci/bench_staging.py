@@ -613,9 +613,15 @@ def timeline(
         ts = [t for _, s, t in trace if s == step]
         return (max(ts) - t0) * 1e3 if ts else float("nan")
 
-    first_posted = min((t for _, s, t in trace if s == "write posted"), default=t0)
+    def first(step: str) -> float:
+        ts = [t for _, s, t in trace if s == step]
+        return (min(ts) - t0) * 1e3 if ts else float("nan")
+
     out = {
-        "first_post_ms": (first_posted - t0) * 1e3,
+        "indices_ready_ms": first("indices ready"),
+        "first_gather_launch_ms": first("gather launched"),
+        "first_gather_done_ms": first("gather done"),
+        "first_post_ms": first("write posted"),
         "last_gather_launch_ms": last("gather launched"),
         "last_post_ms": last("write posted"),
         "last_write_done_ms": last("write done"),
@@ -805,8 +811,10 @@ class Sender:
                 busy = False
                 if not job.finished:
                     ts = time.perf_counter()
+                    before = (job.posted, len(trace))
                     landed = job.step()
                     step_s += time.perf_counter() - ts
+                    busy = (job.posted, len(trace)) != before  # it did something: go on
                     for piece, slot in landed:
                         conn.send(("piece", slot, piece.r0, piece.r1, piece.j0, piece.j1,
                                    piece.unit_len))
@@ -1212,7 +1220,11 @@ def fmt_table(run: dict, cfg: dict) -> str:
             med = {k: float(np.median([c.get(k, np.nan) for c in comps])) for k in comps[0]}
             gather_what = "gather calls" if cfg["mem"] == "DRAM" else "gather launches"
             notes.append(
-                f"{int(med['pieces'])} pieces; p50: first WRITE posted {med['first_post_ms']:.2f}"
+                f"{int(med['pieces'])} pieces; p50: indices uploaded "
+                f"{med.get('indices_ready_ms', np.nan):.2f}, first gather launched "
+                f"{med.get('first_gather_launch_ms', np.nan):.2f} / seen done "
+                f"{med.get('first_gather_done_ms', np.nan):.2f}, first WRITE posted "
+                f"{med['first_post_ms']:.2f}"
                 f", last gather launched {med['last_gather_launch_ms']:.2f}, last WRITE posted "
                 f"{med['last_post_ms']:.2f} / done {med['last_write_done_ms']:.2f}, last scatter"
                 f" done {med.get('last_scatter_done_ms', np.nan):.2f} ms; per piece: notify "

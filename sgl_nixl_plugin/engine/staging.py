@@ -259,6 +259,7 @@ class StagedSend:
             f = self._gathered[0]
             if f.event is not None and not f.event.query():
                 break
+            self._note(f.piece, "gather done")
             self._gathered.popleft()
             f.remote_slot = self.remote_free.popleft()
             try:
@@ -291,6 +292,7 @@ class StagedSend:
             if self._units_dev is None:
                 self._units_dev = self.copier.prepare_units(self.units, self.stream)
                 self._bases_dev = self.copier.prepare_bases(self.src_bases, self.stream)
+                self._note(piece, "indices ready")
             self.copier.gather(
                 self._bases_dev[piece.r0 : piece.r1], self._units_dev[piece.j0 : piece.j1],
                 piece.unit_len, g.src_stride or piece.unit_len, g.src_offset,
