@@ -57,6 +57,7 @@ class Settings:
     liveness_interval_s: float = 1.0
     liveness_misses: int = 5
     abort_drain_timeout_s: float = 5.0
+    slot_wait_s: float = 2.0  # a chunk waits this long for a receiver slot, then goes direct
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -80,11 +81,13 @@ class Settings:
             liveness_interval_s=_float("SGL_NIXL_PLUGIN_LIVENESS_INTERVAL", 1.0),
             liveness_misses=max(1, _int("SGL_NIXL_PLUGIN_LIVENESS_MISSES", 5)),
             abort_drain_timeout_s=_float("SGL_NIXL_PLUGIN_ABORT_DRAIN_TIMEOUT", 5.0),
+            slot_wait_s=max(0.0, _float("SGL_NIXL_PLUGIN_SLOT_WAIT", 2.0)),
         )
 
 
-#: Default staging buffer and slot sizes per memory kind: big slots on GPUs, where the
-#: cost of a piece is its fixed host overhead, modest ones in host memory.
+#: Default staging buffer and slot sizes per memory kind: 128 MiB slots on GPUs (a 1 GiB
+#: request goes in ~8 pipelined pieces; 8 slots serve two rooms at once), modest ones in
+#: host memory.
 STAGING_DEFAULTS = {"VRAM": (1 << 30, 128 << 20), "DRAM": (128 << 20, 16 << 20)}
 
 

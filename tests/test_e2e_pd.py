@@ -79,3 +79,25 @@ def test_pd_two_prefill_instances_one_decode() -> None:
     res = run_pd(w, n_prefill=2)
     assert_clean(res)
     assert {k[0] for k, r in res.prefill.items() if r["results"]} == {0, 1}
+
+
+@pytest.mark.parametrize("slot_wait", ["5", "0"])
+def test_pd_rooms_wait_for_receiver_staging_slots(slot_wait: str) -> None:
+    """The decode's staging holds one room's slots: the other rooms ask and are granted
+    slots as rooms end, oldest first (SlotAsk / SlotGrant), every byte lands, and nothing
+    is left queued. With ``SLOT_WAIT=0`` a sender that finds no slot goes direct at once
+    (the grants it gets later are returned when its room ends)."""
+    env = {
+        "SGL_NIXL_PLUGIN_TRANSFER_PATH": "staging",
+        "SGL_NIXL_PLUGIN_STAGING_BYTES": str(64 << 10),  # 4 slots: one room's worth
+        "SGL_NIXL_PLUGIN_STAGING_PIECE_BYTES": str(16 << 10),
+        "SGL_NIXL_PLUGIN_SLOT_WAIT": slot_wait,
+    }
+    w = workload("tiny", 16, requests=16, concurrency=8, min_tokens=64, max_tokens=160)
+    res = run_pd(w, env=env)
+    assert_clean(res)
+    decode = res.decode[(0, 0)]["tables"]
+    assert decode["staging.waiting"] == 0
+    assert decode["count.staging.asks"] > 0, decode  # rooms really had to wait
+    if slot_wait != "0":
+        assert decode["count.staging.late_grants"] >= decode["count.staging.asks"], decode

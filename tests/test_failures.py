@@ -50,7 +50,7 @@ def _rooms(reqs: list[Request]) -> set[int]:
 
 
 def _room_tables(tables: dict[str, int]) -> dict[str, int]:
-    return {k: v for k, v in tables.items() if not k.startswith("nixl.") and v}
+    return {k: v for k, v in tables.items() if not k.startswith(("nixl.", "count.")) and v}
 
 
 def _assert_byte_exact(results: dict[int, dict[str, Any]], logs: str = "") -> None:

@@ -148,7 +148,7 @@ def test_soak_10k_requests_leave_nothing_behind(pair: Pair) -> None:
 
     for side, res in (("prefill", pre), ("decode", dec)):
         t = res["tables_end"]
-        left = {k: v for k, v in t.items() if not k.startswith("nixl.") and v}
+        left = {k: v for k, v in t.items() if not k.startswith(("nixl.", "count.")) and v}
         assert not left, f"{side}: per-room state left behind: {left}"
         assert t.get("nixl.xfer", 0) == 0, f"{side}: {t['nixl.xfer']} NIXL transfer handles live"
         for k in ("nixl.dlist", "nixl.peer", "nixl.registration"):

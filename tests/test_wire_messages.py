@@ -45,6 +45,8 @@ from sgl_nixl_plugin.wire.messages import (
     Pong,
     Region,
     RegistrationReply,
+    SlotAsk,
+    SlotGrant,
     StagingArea,
     TransferRequest,
     TransferStatus,
@@ -141,6 +143,8 @@ piece_readies = st.builds(
     units_per_item=positive, dst_stride=positive, dst_offset=nonneg,
 )
 piece_dones = st.builds(PieceDone, room=rooms, agent_name=names, slot=nonneg)
+slot_asks = st.builds(SlotAsk, room=rooms, agent_name=names, ip=names, port=ports)
+slot_grants = st.builds(SlotGrant, room=rooms, agent_name=names, slot=nonneg)
 
 
 @st.composite
@@ -178,6 +182,7 @@ def transfer_requests(draw) -> tuple[TransferRequest, list[np.ndarray]]:
         is_dummy=draw(st.booleans()),
         indices=[IndexSpec(role, len(a)) for role, a in zip(roles, arrays, strict=True)],
         staging_slots=draw(st.lists(nonneg, max_size=4)),
+        staging_wait=draw(st.booleans()),
     )
     return msg, arrays
 
@@ -194,6 +199,8 @@ messages_with_arrays = st.one_of(
         pongs,
         piece_readies,
         piece_dones,
+        slot_asks,
+        slot_grants,
     ).map(lambda m: (m, [])),
 )
 
@@ -210,6 +217,8 @@ def test_strategies_cover_the_whole_union():
         Pong,
         PieceReady,
         PieceDone,
+        SlotAsk,
+        SlotGrant,
     }
     assert covered == set(MESSAGE_TYPES)
 

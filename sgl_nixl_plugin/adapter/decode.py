@@ -17,6 +17,7 @@ from sgl_nixl_plugin.wire.messages import (
     Ping,
     Pong,
     RegistrationReply,
+    SlotAsk,
     TransferStatus,
 )
 
@@ -70,6 +71,11 @@ class DecodeListener(ControlLoop):
                 mgr.codec.rejections.reject("unexpected", "PieceReady without staging")
             else:
                 mgr.staging.submit(msg)
+        elif isinstance(msg, SlotAsk):
+            if mgr.staging is None:
+                mgr.codec.rejections.reject("unexpected", "SlotAsk without staging")
+            else:
+                mgr.staging.ask(msg)
         elif isinstance(msg, Pong):
             self.watch.replied((msg.ip, msg.port))
         elif isinstance(msg, AbortAck):

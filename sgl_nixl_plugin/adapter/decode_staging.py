@@ -26,6 +26,8 @@ from sgl_nixl_plugin.wire.messages import (
     PieceDone,
     PieceReady,
     Region,
+    SlotAsk,
+    SlotGrant,
     StagingArea,
     TransferStatus,
 )
@@ -55,6 +57,10 @@ class DecodeStaging:
         self.room_pages: dict[int, np.ndarray] = {}
         self._room_units: dict[tuple[int, int, int, int], Any] = {}  # prepared per chunk
         self._quarantine: deque[tuple[float, list[int]]] = deque()
+        # senders that found no free slot, oldest first: (room, their control endpoint)
+        self._asks: deque[tuple[int, tuple[str, int]]] = deque()
+        self.asks = 0  # senders that had to wait for a slot (counted, for metrics and tests)
+        self.late_grants = 0  # slots granted to them later
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -91,16 +97,53 @@ class DecodeStaging:
 
     # -- grants ---------------------------------------------------------------------------
     def grant(self, room: int, pages: np.ndarray) -> list[int]:
-        """Receiver slots for one sender of ``room`` (none when the pool is exhausted)."""
-        now = time.monotonic()
+        """Receiver slots for one sender of ``room``; none when the pool is exhausted, and
+        then that sender asks (``SlotAsk``) and gets slots as they free up (``serve``)."""
         with self._lock:
-            while self._quarantine and self._quarantine[0][0] <= now:
-                self.buffer.release(self._quarantine.popleft()[1])
-        slots = self.buffer.acquire(SLOTS_PER_ROOM)
-        with self._lock:
+            self._expire_quarantine()
+            slots = self.buffer.acquire(SLOTS_PER_ROOM) if not self._asks else []
             self.room_slots.setdefault(room, []).extend(slots)
             self.room_pages[room] = np.array(pages, dtype=np.int64)
         return slots
+
+    def ask(self, m: SlotAsk) -> None:
+        """A sender of ``m.room`` waits for a slot: queue it (only a prefill rank of a room
+        we stage may ask), then serve what is free."""
+        ep = (m.ip, m.port)
+        with self._lock:
+            known = m.room in self.room_pages and ep in self.mgr.room_endpoints.get(m.room, ())
+            if known and (m.room, ep) not in self._asks:
+                self._asks.append((m.room, ep))
+                self.asks += 1
+        if not known:
+            self.mgr.codec.rejections.reject("bad_ask", f"room {m.room} from {ep[0]}:{ep[1]}")
+            return
+        self.serve()
+
+    def serve(self) -> None:
+        """Grant free slots to waiting senders, oldest first (backpressure across rooms)."""
+        grants: list[tuple[tuple[str, int], SlotGrant]] = []
+        with self._lock:
+            self._expire_quarantine()
+            while self._asks and self.buffer.free:
+                room, ep = self._asks.popleft()
+                if room not in self.room_pages:
+                    continue  # ended while waiting
+                slots = self.buffer.acquire(SLOTS_PER_ROOM)
+                self.room_slots.setdefault(room, []).extend(slots)
+                grants += [(ep, SlotGrant(room, self.mgr.engine.name, s)) for s in slots]
+                self.late_grants += len(slots)
+        for ep, g in grants:
+            self.mgr.send_to(ep, g)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._asks)
+
+    def _expire_quarantine(self) -> None:
+        now = time.monotonic()
+        while self._quarantine and self._quarantine[0][0] <= now:
+            self.buffer.release(self._quarantine.popleft()[1])
 
     def room_done(self, room: int, ok: bool) -> None:
         """Return the room's slots; after a failure, only once late writes can't land."""
@@ -109,12 +152,15 @@ class DecodeStaging:
             self.room_pages.pop(room, None)
             for key in [k for k in self._room_units if k[0] == room]:
                 del self._room_units[key]
+            if any(r == room for r, _ in self._asks):
+                self._asks = deque(a for a in self._asks if a[0] != room)
             if slots and not ok:
                 hold = self.mgr.settings.abort_drain_timeout_s
                 self._quarantine.append((time.monotonic() + hold, slots))
-                return
-        if slots:
-            self.buffer.release(slots)
+                slots = []
+            if slots:
+                self.buffer.release(slots)
+        self.serve()
 
     def is_staged(self, room: int) -> bool:
         with self._lock:
@@ -145,7 +191,9 @@ class DecodeStaging:
         assert self.scatters is not None
         mgr = self.mgr
         while not self._stop.is_set():
-            for item in self.scatters.wait(timeout=0.5):
+            if self._asks:
+                self.serve()  # quarantined slots come back by time, not by an event
+            for item in self.scatters.wait(timeout=0.1 if self._asks else 0.5):
                 try:
                     if isinstance(item, PieceReady):
                         mgr.send_to((item.ip, item.port), PieceDone(item.room, mgr.engine.name, item.slot))

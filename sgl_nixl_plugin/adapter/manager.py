@@ -274,8 +274,9 @@ class NixlPluginKVManager(CommonKVManager):
         ]
         if not is_dummy:
             self.listener.expect_data()
-        slots = []
-        if self.staging is not None and not is_dummy and len(kv):
+        slots: list[int] = []
+        staged = self.staging is not None and not is_dummy and len(kv) > 0
+        if staged:
             slots = self.staging.grant(bootstrap_room, kv)
         req = TransferRequest(
             room=bootstrap_room,
@@ -288,6 +289,7 @@ class NixlPluginKVManager(CommonKVManager):
             is_dummy=bool(is_dummy),
             indices=index_specs(kv, state),
             staging_slots=slots,
+            staging_wait=staged and not slots,
         )
         return self.codec.encode(req, [kv, *state])
 
@@ -316,6 +318,10 @@ class NixlPluginKVManager(CommonKVManager):
             events=tuple(e for e in (wait_event, indices_event) if hasattr(e, "synchronize")),
         )
         self.workers[bootstrap_room % len(self.workers)].queue.put(chunk)
+
+    def wake_worker(self, room: int) -> None:
+        """Tell the worker that owns ``room`` that one of its staged jobs may go on."""
+        self.workers[room % len(self.workers)].wake()
 
     def transfer_settled(self, room: int) -> None:
         """One WRITE of ``room`` finished (either way); ACK a drained abort."""

@@ -36,6 +36,8 @@ from sgl_nixl_plugin.wire.messages import (
     Ping,
     Pong,
     RegistrationReply,
+    SlotAsk,
+    SlotGrant,
     TransferRequest,
     TransferStatus,
 )
@@ -123,6 +125,19 @@ class PrefillControl(ControlLoop):
                 )
             else:
                 free.append(msg.slot)
+                self.mgr.wake_worker(msg.room)
+        elif isinstance(msg, SlotGrant):
+            free = self.mgr.remote_free.get(msg.room, {}).get(msg.agent_name)
+            if free is None:
+                return  # the room ended here: the decode takes the slot back at its end
+            if msg.slot in free.granted:
+                self.mgr.codec.rejections.reject(
+                    "bad_credit", f"room {msg.room} slot {msg.slot} was already granted"
+                )
+            else:
+                free.granted.add(msg.slot)
+                free.append(msg.slot)
+                self.mgr.wake_worker(msg.room)
         elif isinstance(msg, Abort):
             self.on_abort(msg)
         elif isinstance(msg, Ping):
@@ -284,8 +299,11 @@ class PrefillControl(ControlLoop):
             is_dummy=req.is_dummy,
         )
         mgr.room_seen[room] = time.monotonic()
-        if req.staging_slots and not req.is_dummy:
+        if (req.staging_slots or req.staging_wait) and not req.is_dummy:
             mgr.remote_free.setdefault(room, {})[req.agent_name] = SlotCredits(req.staging_slots)
+            if not req.staging_slots:  # the decode had none free: wait in its queue
+                mgr.send_to((req.ip, req.port),
+                            SlotAsk(room, mgr.engine.name, mgr.local_ip, mgr.rank_port))
         if req.decode_prefix_len:
             mgr.req_to_decode_prefix_len[room] = req.decode_prefix_len
         if len(infos) >= req.required_dst_info_num:

@@ -92,11 +92,15 @@ class StagedJob:
     peer: DecodePeer
     page_start: int
     page_count: int
+    src_pages: np.ndarray  # for the direct fallback when no receiver slot comes in time
+    dst_pages: np.ndarray
+    created: float = field(default_factory=time.monotonic)
 
 
 class SlotCredits(deque):
-    """Receiver staging slots this room may write now; ``granted`` bounds what credits accept."""
+    """Receiver staging slots this room may write now; ``granted`` (what the decode gave
+    this sender, at the request or later by SlotGrant) bounds what credits accept."""
 
     def __init__(self, slots: list[int]) -> None:
         super().__init__(slots)
-        self.granted = frozenset(slots)
+        self.granted = set(slots)

@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+_WAKE = object()  # queued by the control thread when a receiver credit arrives
+
+
 class TransferWorker:
     """Submits chunks without blocking and completes every transfer it has in flight."""
 
@@ -54,7 +57,7 @@ class TransferWorker:
 
     def __init__(self, mgr: NixlPluginKVManager, index: int) -> None:
         self.mgr = mgr
-        self.queue: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.rooms: dict[int, RoomProgress] = {}
         self._backoff = self.MIN_BACKOFF_S
         self._stop = threading.Event()
@@ -70,6 +73,10 @@ class TransferWorker:
         self._stop.set()
         self.queue.put(None)
 
+    def wake(self) -> None:
+        """A receiver slot came back for one of our rooms: step its staged job now."""
+        self.queue.put(_WAKE)
+
     def _run(self) -> None:
         if self.mgr.copier is not None:
             self.mgr.copier.bind(self.mgr.copy_stream)  # this thread gathers on that stream
@@ -82,9 +89,10 @@ class TransferWorker:
             try:
                 while chunk is not None:
                     self._backoff = self.MIN_BACKOFF_S
-                    self._submit(chunk)
+                    if chunk is not _WAKE:
+                        self._submit(chunk)
                     chunk = self.queue.get_nowait() if not self.queue.empty() else None
-                staged = any(p.jobs for p in self.rooms.values())
+                staged = any(j.send.needs_polling for p in self.rooms.values() for j in p.jobs)
                 if self._poll() == 0 and busy and not staged:
                     # staged pieces move in ~0.1 ms steps (gather done, WRITE done, slot
                     # freed): keep the shortest wait while any is in flight
@@ -217,7 +225,7 @@ class TransferWorker:
             stream=mgr.copy_stream,
             drain_timeout_s=mgr.settings.abort_drain_timeout_s,
         )
-        return StagedJob(send, info, peer, chunk.index_slice.start, n)
+        return StagedJob(send, info, peer, chunk.index_slice.start, n, chunk.pages, dst)
 
     def _step_jobs(self, room: int, prog: RoomProgress) -> int:
         """Advance the room's staged jobs; tell decodes about landed pieces.
@@ -240,8 +248,11 @@ class TransferWorker:
         if prog.failed:
             for job in prog.jobs:
                 job.send.abandon("room ended")
-        for job in prog.jobs:
+        for job in list(prog.jobs):
             if job.send.finished and not job.send.in_flight:
+                continue
+            if self._slot_wait_over(job) and not prog.failed:
+                self._go_direct(room, prog, job)
                 continue
             posted, ended = job.send.posted, job.send.settled
             landed = job.send.step()
@@ -271,6 +282,34 @@ class TransferWorker:
             prog.descriptors += sum(j.send.done_pieces for j in prog.jobs)
             prog.jobs = []
         return settled
+
+    def _slot_wait_over(self, job: StagedJob) -> bool:
+        """Nothing posted yet and no receiver slot came within ``slot_wait_s``."""
+        s = job.send
+        return (
+            s.posted == 0 and not s.remote_free and not s.error
+            and time.monotonic() - job.created > self.mgr.settings.slot_wait_s
+        )
+
+    def _go_direct(self, room: int, prog: RoomProgress, job: StagedJob) -> None:
+        """The decode's staging stayed busy: send this chunk with direct descriptors."""
+        mgr = self.mgr
+        job.send.abandon("no receiver staging slot")  # gives back gathered local slots
+        prog.jobs.remove(job)
+        logger.info(
+            "sgl-nixl: room %s: no staging slot from decode %s within %.1fs; chunk goes direct",
+            room, job.info.agent, mgr.settings.slot_wait_s,
+        )
+        try:
+            x = mgr.engine.write(job.peer.link, "kv", job.src_pages, job.dst_pages)
+        except (TransferError, ValueError) as exc:
+            self._fail(room, str(exc), finish=False)
+            return
+        if x is not None:
+            prog.xfers.append(x)
+            prog.nbytes += x.nbytes
+            prog.descriptors += x.descriptors
+            mgr._staging_outstanding[room] += 1
 
     # -- completion ----------------------------------------------------------------------
     def _poll(self) -> int:

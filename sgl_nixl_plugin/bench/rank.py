@@ -239,6 +239,10 @@ def _tables(mgr: Any) -> dict[str, int]:
     for n in ("room_slots", "room_pages"):
         if isinstance(getattr(staging, n, None), dict):
             out[f"staging.{n}"] = len(getattr(staging, n))
+    if hasattr(staging, "waiting"):  # senders queued for a slot: none once all rooms ended
+        out["staging.waiting"] = staging.waiting
+        out["count.staging.asks"] = staging.asks  # counters, not tables: need not be 0
+        out["count.staging.late_grants"] = staging.late_grants
     tracker = getattr(mgr, "addr_to_rooms_tracker", None)
     if tracker is not None:
         out["addr_to_rooms_tracker"] = sum(len(v) for v in tracker.values())

@@ -221,6 +221,16 @@ class StagedSend:
     def in_flight(self) -> bool:
         return bool(self._writing or self._gathered)
 
+    @property
+    def needs_polling(self) -> bool:
+        """Whether only polling moves it on (a WRITE or gather to finish, a piece it can
+        gather or post now); False while it waits for a receiver credit, which the
+        caller learns about by message."""
+        return bool(self._writing) or (bool(self._gathered) and bool(self.remote_free)) or (
+            not self.error and self._next < len(self.pieces)
+            and len(self._gathered) < self.ahead and self.local.free > 0
+        )
+
     def step(self) -> list[tuple[Piece, int]]:
         """Advance; returns ``(piece, remote_slot)`` for every piece that has landed."""
         landed: list[tuple[Piece, int]] = []

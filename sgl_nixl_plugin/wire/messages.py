@@ -115,6 +115,8 @@ class TransferRequest(msgspec.Struct, frozen=True, tag="xfer"):
     is_dummy: bool = False
     indices: Annotated[list[IndexSpec], msgspec.Meta(max_length=MAX_INDEX_FRAMES)] = []
     staging_slots: Annotated[list[NonNeg], msgspec.Meta(max_length=64)] = []  # granted to this sender
+    # the decode stages this room but had no slot free now: ask (SlotAsk), it grants later
+    staging_wait: bool = False
 
 
 class TransferStatus(msgspec.Struct, frozen=True, tag="status"):
@@ -176,6 +178,24 @@ class PieceDone(msgspec.Struct, frozen=True, tag="piece_done"):
     slot: NonNeg
 
 
+class SlotAsk(msgspec.Struct, frozen=True, tag="slot_ask"):
+    """Prefill rank -> decode rank: this sender of ``room`` waits for a staging slot
+    (its TransferRequest said ``staging_wait``); grants go to ``ip:port``."""
+
+    room: Room
+    agent_name: Name
+    ip: Name
+    port: Port
+
+
+class SlotGrant(msgspec.Struct, frozen=True, tag="slot_grant"):
+    """Decode rank -> prefill rank: ``slot`` now belongs to this sender of ``room``."""
+
+    room: Room
+    agent_name: Name
+    slot: NonNeg
+
+
 class Ping(msgspec.Struct, frozen=True, tag="ping"):
     """Liveness probe; the peer answers with a Pong to ``ip:port``."""
 
@@ -201,6 +221,8 @@ Message = (
     | TransferStatus
     | PieceReady
     | PieceDone
+    | SlotAsk
+    | SlotGrant
     | Abort
     | AbortAck
     | Ping

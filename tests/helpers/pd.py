@@ -82,8 +82,8 @@ def expected_bytes(cfg: SessionConfig, pages: int) -> int:
 
 
 def room_tables(tables: dict[str, int]) -> dict[str, int]:
-    """The per-room tables of a rank (``nixl.*`` counts engine resources instead)."""
-    return {k: v for k, v in tables.items() if not k.startswith("nixl.")}
+    """The per-room tables of a rank (``nixl.*`` counts engine resources, ``count.*`` events)."""
+    return {k: v for k, v in tables.items() if not k.startswith(("nixl.", "count."))}
 
 
 def leaked_tables(res: SessionResult) -> dict[str, dict[str, int]]:
