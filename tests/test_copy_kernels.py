@@ -259,6 +259,27 @@ def test_make_copier_for_vram_without_cuda_names_what_is_missing(prefer: str) ->
         make_copier("VRAM", prefer=prefer)
 
 
+def test_device_bases_slices_are_handed_out_16_byte_aligned() -> None:
+    """Triton compiles one variant per pointer alignment: slices of prepared bases (and
+    units) reach the kernel 16-byte aligned, copied once per misaligned slice. (CPU
+    tensors stand in for device ones: only addresses and contents matter here.)"""
+    torch = pytest.importorskip("torch")
+    base = torch.arange(64, dtype=torch.int64) * 4096
+    assert base.data_ptr() % 16 == 0
+    b = ck.DeviceBases(base, 0)
+    odd = b[5:12]
+    assert odd.tensor.data_ptr() % 16 == 8
+    got = odd.aligned()
+    assert got.data_ptr() % 16 == 0 and got.tolist() == base[5:12].tolist()
+    assert b[5:12].aligned() is got  # kept: one copy per slice, not per piece
+    even = b[4:12]
+    assert even.aligned() is even.tensor  # aligned already: no copy
+    units = torch.arange(100, dtype=torch.int64)
+    u = ck._aligned_units(units[7:40])
+    assert u.data_ptr() % 16 == 0 and u.tolist() == list(range(7, 40))
+    assert ck._aligned_units(units[8:40]).data_ptr() == units[8:40].data_ptr()
+
+
 def test_importing_copy_kernels_imports_neither_torch_nor_triton() -> None:
     code = (
         "import sys, sgl_nixl_plugin.engine.copy_kernels as c; c.make_copier('DRAM'); "

@@ -81,12 +81,13 @@ def test_pd_two_prefill_instances_one_decode() -> None:
     assert {k[0] for k, r in res.prefill.items() if r["results"]} == {0, 1}
 
 
-@pytest.mark.parametrize("slot_wait", ["5", "0"])
+@pytest.mark.parametrize("slot_wait", ["5", "0.05", "0"])
 def test_pd_rooms_wait_for_receiver_staging_slots(slot_wait: str) -> None:
     """The decode's staging holds one room's slots: the other rooms ask and are granted
     slots as rooms end, oldest first (SlotAsk / SlotGrant), every byte lands, and nothing
-    is left queued. With ``SLOT_WAIT=0`` a sender that finds no slot goes direct at once
-    (the grants it gets later are returned when its room ends)."""
+    is left queued. With a short ``SLOT_WAIT`` chunks that find no slot in time go direct
+    while other chunks of their rooms are staged (the grants they get later are returned
+    when the room ends); either way every byte lands and no room reports Success early."""
     env = {
         "SGL_NIXL_PLUGIN_TRANSFER_PATH": "staging",
         "SGL_NIXL_PLUGIN_STAGING_BYTES": str(64 << 10),  # 4 slots: one room's worth
@@ -99,5 +100,5 @@ def test_pd_rooms_wait_for_receiver_staging_slots(slot_wait: str) -> None:
     decode = res.decode[(0, 0)]["tables"]
     assert decode["staging.waiting"] == 0
     assert decode["count.staging.asks"] > 0, decode  # rooms really had to wait
-    if slot_wait != "0":
+    if slot_wait == "5":
         assert decode["count.staging.late_grants"] >= decode["count.staging.asks"], decode

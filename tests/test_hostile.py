@@ -61,6 +61,8 @@ from sgl_nixl_plugin.wire.messages import (
     Ping,
     Pong,
     RegistrationReply,
+    SlotAsk,
+    SlotGrant,
     TransferRequest,
     TransferStatus,
 )
@@ -826,6 +828,8 @@ def _attack(live: LiveSession, boot: GatedBootstrap, fake: FakeDecode, w: Worklo
     fake.send_frames(prefill_ep, list(first))  # replayed: a duplicate request
     fake.send(prefill_ep, PieceDone(shared.room, fake.name, 9))  # a slot never granted
     fake.send(prefill_ep, PieceDone(shared.room, fake.name, 3))  # granted, but not in use
+    fake.send(prefill_ep, SlotGrant(shared.room, fake.name, 4))  # granted already
+    fake.send(prefill_ep, SlotGrant(4242 + 9, fake.name, 1))  # a room it has not: ignored
 
     # Out-of-range destinations for a room the real decode fetches later: refused, never stored.
     target = reqs[1]
@@ -883,6 +887,8 @@ def _attack(live: LiveSession, boot: GatedBootstrap, fake: FakeDecode, w: Worklo
         dst_stride=64,
     )
     fake.send(decode_ep, forged_piece)
+    # a slot ask for a room this decode does not stage, from a rank that does not serve it
+    fake.send(decode_ep, SlotAsk(ghost_room + 9, fake.name, fake.endpoint[0], fake.port))
     deadline = time.monotonic() + 8.0
     for i in range(900):
         if time.monotonic() > deadline:
@@ -937,7 +943,8 @@ def test_garbage_is_counted_not_fatal(hostile: HostileRun) -> None:
 def test_replayed_request_and_bad_credits_are_refused(hostile: HostileRun) -> None:
     counts = rejected_counts(hostile.metrics)
     assert counts["duplicate_request"] == 1, counts
-    assert counts["bad_credit"] == 2, counts  # slot 9 never granted; slot 3 granted but free
+    # slot 9 never granted; slot 3 granted but free; slot 4 granted a second time
+    assert counts["bad_credit"] == 3, counts
     # The fake's copy of the shared room still arrived whole and exactly once.
     fake = hostile.fake
     shared = hostile.rooms["shared"]
@@ -974,6 +981,8 @@ def test_unregistered_agent_is_told_to_register(hostile: HostileRun) -> None:
 def test_decode_drops_forged_statuses_and_pieces(hostile: HostileRun) -> None:
     counts = rejected_counts(hostile.metrics)
     assert counts["bad_piece"] == 1, counts
+    assert counts["bad_ask"] == 1, counts  # and no slot was granted for it
+    assert not [m for m in hostile.fake.received if isinstance(m, SlotGrant)]
     assert hostile.piece_done_after_forgery == []  # nothing was scattered
     assert not [m for m in hostile.fake.received if isinstance(m, PieceDone)]
     m = re.search(r"dropped control message from 127\.0\.0\.1:\d+: bad_piece \(room (\d+): ([^)]*)\)", hostile.log)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from helpers.faults import FaultCluster, RankProc, SoakPlan, make_requests
+from helpers.faults import FaultCluster, RankProc, SoakPlan, make_requests, poll_until
 
 from sgl_nixl_plugin.bench.session import free_port
 from sgl_nixl_plugin.bench.workload import PRESETS, Workload
@@ -97,8 +97,9 @@ def _assert_idle(cpu: dict[str, dict[str, Any]], when: str) -> None:
 def test_idle_managers_use_under_5_percent_of_a_core(pair: Pair) -> None:
     """A registered prefill and decode manager with no traffic (the decode still watching
     the prefill, heartbeats running) each use < 5% of one core over >= 3 s."""
-    st = pair.decode.call("state")
-    assert st["known"] and all(st["watched"].values()), st  # registered and connected
+    # registered and connected (the connection monitor reports asynchronously: bounded wait)
+    poll_until(lambda: pair.decode.call("state"),
+               lambda st: bool(st["known"]) and all(st["watched"].values()), 20)
     assert pair.prefill.call("state")["peers"] == [pair.decode.info["agent"]]
     cpu = pair.idle_cpu()
     print("\nidle CPU: " + ", ".join(f"{n} {m['cpu_s'] / m['wall_s']:.2%}" for n, m in cpu.items()))

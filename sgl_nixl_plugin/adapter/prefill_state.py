@@ -28,7 +28,7 @@ FAILED, WAITING_FOR_INPUT, SUCCESS = 0, 2, 4
 
 
 
-@dataclass
+@dataclass(eq=False)  # identity: holds arrays and live state
 class DecodePeer:
     """A registered decode rank: its NIXL link and what it told us."""
 
@@ -40,7 +40,7 @@ class DecodePeer:
     staging: RemoteStaging | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: holds arrays and live state
 class TransferInfo:
     """One decode rank's destination for one room (SGLang's common code reads these fields)."""
 
@@ -55,7 +55,7 @@ class TransferInfo:
     is_dummy: bool
 
 
-@dataclass
+@dataclass(eq=False)  # identity: holds arrays and live state
 class Chunk:
     room: int
     pages: np.ndarray
@@ -66,7 +66,7 @@ class Chunk:
     events: tuple[Any, ...] = ()  # CUDA events the source pages wait on
 
 
-@dataclass
+@dataclass(eq=False)  # identity: holds arrays and live state
 class RoomProgress:
     xfers: list[Xfer] = field(default_factory=list)
     last_seen: bool = False
@@ -83,7 +83,7 @@ class RoomProgress:
         return bool(self.xfers) or any(not j.send.finished or j.send.in_flight for j in self.jobs)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: holds arrays and live state
 class StagedJob:
     """One chunk's staged transfer to one decode rank, and what the decode must be told."""
 
@@ -95,6 +95,7 @@ class StagedJob:
     src_pages: np.ndarray  # for the direct fallback when no receiver slot comes in time
     dst_pages: np.ndarray
     created: float = field(default_factory=time.monotonic)
+    fell_back: bool = False  # sent direct instead (no receiver slot in time)
 
 
 class SlotCredits(deque):

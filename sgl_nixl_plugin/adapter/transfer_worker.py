@@ -112,6 +112,9 @@ class TransferWorker:
         mgr._staging_outstanding[room] += 1
         try:
             self._submit_reserved(chunk)
+        except Exception as exc:  # a bug must fail the room, never let it end as Success
+            logger.exception("sgl-nixl: room %s: submitting a chunk failed", room)
+            self._fail(room, f"internal error while submitting a chunk: {exc!r}")
         finally:
             mgr.transfer_settled(room)
 
@@ -278,6 +281,11 @@ class TransferWorker:
                 job.send.abandon()
                 self._fail(room, f"staged transfer to {job.info.agent} failed: {job.send.error}", finish=False)
         if prog.jobs and not any(j.send.in_flight or not j.send.finished for j in prog.jobs):
+            broken = next((j for j in prog.jobs if j.send.error and not j.fell_back), None)
+            if broken is not None and not prog.failed:
+                # never conclude Success for a chunk whose pieces did not all land
+                self._fail(room, f"staged transfer to {broken.info.agent} failed: "
+                           f"{broken.send.error}", finish=False)
             prog.nbytes += sum(j.send.nbytes for j in prog.jobs)
             prog.descriptors += sum(j.send.done_pieces for j in prog.jobs)
             prog.jobs = []
@@ -294,8 +302,9 @@ class TransferWorker:
     def _go_direct(self, room: int, prog: RoomProgress, job: StagedJob) -> None:
         """The decode's staging stayed busy: send this chunk with direct descriptors."""
         mgr = self.mgr
+        job.fell_back = True
         job.send.abandon("no receiver staging slot")  # gives back gathered local slots
-        prog.jobs.remove(job)
+        prog.jobs = [j for j in prog.jobs if j is not job]
         logger.info(
             "sgl-nixl: room %s: no staging slot from decode %s within %.1fs; chunk goes direct",
             room, job.info.agent, mgr.settings.slot_wait_s,
@@ -318,7 +327,11 @@ class TransferWorker:
         for room in list(self.rooms):
             prog = self.rooms[room]
             if prog.jobs:
-                settled += self._step_jobs(room, prog)
+                try:
+                    settled += self._step_jobs(room, prog)
+                except Exception as exc:  # as in _submit: fail the room, keep the worker
+                    logger.exception("sgl-nixl: room %s: staged transfer step failed", room)
+                    self._fail(room, f"internal error in a staged transfer: {exc!r}", finish=False)
             if not prog.xfers:
                 self._maybe_finish(room)
                 continue

@@ -271,16 +271,40 @@ class DeviceBases:
     there, so the pieces of a request share one upload; ``bits`` is the OR of every
     address (a conservative alignment for any slice)."""
 
-    __slots__ = ("tensor", "bits")
+    __slots__ = ("tensor", "bits", "_aligned", "_key")
 
-    def __init__(self, tensor: Any, bits: int) -> None:
+    def __init__(
+        self, tensor: Any, bits: int, aligned: dict[Any, Any] | None = None, key: Any = None
+    ) -> None:
         self.tensor, self.bits = tensor, bits
+        self._aligned = {} if aligned is None else aligned  # shared by all slices
+        self._key = key
 
     def __len__(self) -> int:
         return int(self.tensor.shape[0])
 
     def __getitem__(self, s: slice) -> DeviceBases:
-        return DeviceBases(self.tensor[s], self.bits)
+        return DeviceBases(self.tensor[s], self.bits, self._aligned, (s.start, s.stop))
+
+    def aligned(self) -> Any:
+        """The tensor, at a 16-byte aligned address: Triton compiles one variant per
+        pointer alignment, and a slice starting at an odd region would otherwise cost a
+        compile (~0.1 s) the first time it occurs. A misaligned slice is copied once (on
+        the current stream, where it is used) and the copy kept."""
+        t = self.tensor
+        if t.data_ptr() % 16 == 0:
+            return t
+        hit = self._aligned.get(self._key)
+        if hit is None:
+            if len(self._aligned) >= 4096:  # bounded: at most regions^2 slices exist
+                self._aligned.clear()
+            hit = self._aligned[self._key] = t.clone()
+        return hit
+
+
+def _aligned_units(units: Any) -> Any:
+    """``units`` at a 16-byte aligned address (see ``DeviceBases.aligned``)."""
+    return units if units.data_ptr() % 16 == 0 else units.clone()
 
 
 class _DeviceIndex:
@@ -680,8 +704,8 @@ class TritonCopier:
             align = _align_of(bases.bits, unit_len, stride, offset, stage)
             if align >= 4:
                 launch_unit_copy(
-                    gather, bases.tensor, units, n, unit_len, stride, offset, stage, align,
-                    self.tile_bytes, self.num_warps, self._fast,
+                    gather, bases.aligned(), _aligned_units(units), n, unit_len, stride,
+                    offset, stage, align, self.tile_bytes, self.num_warps, self._fast,
                 )
                 return
         if isinstance(bases, DeviceBases):

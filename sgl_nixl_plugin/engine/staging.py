@@ -168,7 +168,7 @@ class RemoteStaging:
         return self.ptr + slot * self.slot_bytes
 
 
-@dataclass
+@dataclass(eq=False)
 class _InFlight:
     piece: Piece
     local_slot: int
@@ -177,7 +177,7 @@ class _InFlight:
     event: Any = None  # CUDA event recorded after the gather
 
 
-@dataclass
+@dataclass(eq=False)  # identity: holds arrays and live transfers
 class StagedSend:
     """Sender-side state machine of one request through the staging path.
 
