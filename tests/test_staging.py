@@ -12,6 +12,7 @@ from collections import deque
 import numpy as np
 import pytest
 
+from sgl_nixl_plugin.adapter.prefill_state import SlotCredits
 from sgl_nixl_plugin.engine.copy_kernels import make_copier
 from sgl_nixl_plugin.engine.engine import Memory, TransferEngine
 from sgl_nixl_plugin.engine.layout import Geometry, RegionSet
@@ -247,6 +248,25 @@ def test_scatter_queue_releases_statuses_only_after_earlier_pieces(pair):
                 assert [o[1] for o in out[:-1]] == list(range(len(job.pieces)))
                 _assert_landed(a, b, [(src, dst)])
     assert out[-1] == ("status", "success")
+
+
+def test_slot_credits_refuse_replayed_and_stale_piece_done():
+    """A PieceDone frees a receiver slot only for the piece that is in it: a replay of an
+    earlier one (same or older sequence number) would let the next piece overwrite a piece
+    the decode has not scattered yet."""
+    credits = SlotCredits([3, 4])
+    slot = credits.popleft()  # the sender writes piece 1 into slot 3
+    seq1 = credits.issue(slot)
+    assert credits.give_back(3, seq1) == "" and list(credits) == [4, 3]
+    assert "already free" in credits.give_back(3, seq1)  # replayed at once
+    credits.remove(3)
+    seq2 = credits.issue(3)  # slot 3 reused for the next piece
+    assert "replayed" in credits.give_back(3, seq1)  # an old PieceDone, replayed later
+    assert 3 not in credits
+    assert credits.give_back(3, seq2) == "" and 3 in credits
+    assert "never granted" in credits.give_back(9, 1)
+    credits.granted.add(9)  # granted later (SlotGrant); a 0.1 decode echoes no sequence
+    assert credits.give_back(9, 0) == "" and 9 in credits
 
 
 def test_staging_buffer_backpressure():

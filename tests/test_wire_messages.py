@@ -140,9 +140,9 @@ piece_readies = st.builds(
     PieceReady,
     room=rooms, prefill_rank=nonneg, ip=names, port=ports, slot=nonneg, r0=nonneg, r1=nonneg,
     j0=nonneg, j1=nonneg, page_start=nonneg, page_count=nonneg, unit_len=positive,
-    units_per_item=positive, dst_stride=positive, dst_offset=nonneg,
+    units_per_item=positive, dst_stride=positive, dst_offset=nonneg, seq=nonneg,
 )
-piece_dones = st.builds(PieceDone, room=rooms, agent_name=names, slot=nonneg)
+piece_dones = st.builds(PieceDone, room=rooms, agent_name=names, slot=nonneg, seq=nonneg)
 slot_asks = st.builds(SlotAsk, room=rooms, agent_name=names, ip=names, port=ports)
 slot_grants = st.builds(SlotGrant, room=rooms, agent_name=names, slot=nonneg)
 

@@ -196,7 +196,10 @@ class DecodeStaging:
             for item in self.scatters.wait(timeout=0.1 if self._asks else 0.5):
                 try:
                     if isinstance(item, PieceReady):
-                        mgr.send_to((item.ip, item.port), PieceDone(item.room, mgr.engine.name, item.slot))
+                        mgr.send_to(
+                            (item.ip, item.port),
+                            PieceDone(item.room, mgr.engine.name, item.slot, item.seq),
+                        )
                     elif isinstance(item, AbortAck):
                         mgr.note_abort_ack(item.room, item.prefill_rank, item.generation)
                     else:

@@ -117,14 +117,10 @@ class PrefillControl(ControlLoop):
             free = self.mgr.remote_free.get(msg.room, {}).get(msg.agent_name)
             if free is None:
                 return  # the room already ended: its last credits are not needed
-            if msg.slot not in free.granted:
-                self.mgr.codec.rejections.reject("bad_credit", f"room {msg.room} slot {msg.slot}")
-            elif msg.slot in free:  # a repeated credit would let two pieces share the slot
-                self.mgr.codec.rejections.reject(
-                    "bad_credit", f"room {msg.room} slot {msg.slot} is already free"
-                )
+            problem = free.give_back(msg.slot, msg.seq)
+            if problem:
+                self.mgr.codec.rejections.reject("bad_credit", f"room {msg.room} {problem}")
             else:
-                free.append(msg.slot)
                 self.mgr.wake_worker(msg.room)
         elif isinstance(msg, SlotGrant):
             free = self.mgr.remote_free.get(msg.room, {}).get(msg.agent_name)

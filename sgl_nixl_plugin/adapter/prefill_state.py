@@ -100,8 +100,29 @@ class StagedJob:
 
 class SlotCredits(deque):
     """Receiver staging slots this room may write now; ``granted`` (what the decode gave
-    this sender, at the request or later by SlotGrant) bounds what credits accept."""
+    this sender, at the request or later by SlotGrant) bounds what credits accept, and
+    ``in_use`` the sequence number of each slot's current piece (see ``PieceDone.seq``)."""
 
     def __init__(self, slots: list[int]) -> None:
         super().__init__(slots)
         self.granted = set(slots)
+        self.in_use: dict[int, int] = {}
+        self._seq = 0
+
+    def issue(self, slot: int) -> int:
+        """The sequence number of the piece just told to the decode in ``slot``."""
+        self._seq += 1
+        self.in_use[slot] = self._seq
+        return self._seq
+
+    def give_back(self, slot: int, seq: int) -> str:
+        """Take ``slot`` back from a PieceDone; returns why not ('' when taken)."""
+        if slot not in self.granted:
+            return f"slot {slot} was never granted"
+        if slot in self:  # a repeated credit would let two pieces share the slot
+            return f"slot {slot} is already free"
+        if seq and self.in_use.get(slot) != seq:
+            return f"slot {slot}: piece {seq} is not the one in it (replayed?)"
+        self.in_use.pop(slot, None)
+        self.append(slot)
+        return ""

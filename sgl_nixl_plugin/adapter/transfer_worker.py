@@ -22,6 +22,7 @@ from sgl_nixl_plugin.adapter.prefill_state import (
     Chunk,
     DecodePeer,
     RoomProgress,
+    SlotCredits,
     StagedJob,
     TransferInfo,
 )
@@ -46,6 +47,11 @@ logger = logging.getLogger(__name__)
 
 
 _WAKE = object()  # queued by the control thread when a receiver credit arrives
+
+
+def _issue(credits: object, slot: int) -> int:
+    """The piece sequence number the decode must echo in its PieceDone (0: untracked)."""
+    return credits.issue(slot) if isinstance(credits, SlotCredits) else 0
 
 
 class TransferWorker:
@@ -273,6 +279,7 @@ class TransferWorker:
                         page_count=job.page_count, unit_len=piece.unit_len,
                         units_per_item=geo.units_per_item,
                         dst_stride=geo.dst_stride or piece.unit_len, dst_offset=geo.dst_offset,
+                        seq=_issue(job.send.remote_free, slot),
                     ),
                 )
             for _ in range(job.send.settled - ended):

@@ -168,14 +168,19 @@ class PieceReady(msgspec.Struct, frozen=True, tag="piece"):
     units_per_item: Annotated[int, msgspec.Meta(gt=0)]
     dst_stride: Annotated[int, msgspec.Meta(gt=0)]
     dst_offset: NonNeg = 0
+    seq: NonNeg = 0  # this use of the slot; PieceDone echoes it (0: a 0.1 peer)
 
 
 class PieceDone(msgspec.Struct, frozen=True, tag="piece_done"):
-    """Decode rank -> prefill rank: ``slot`` was scattered and may be written again."""
+    """Decode rank -> prefill rank: ``slot`` was scattered and may be written again.
+
+    ``seq`` echoes the PieceReady's: a replayed PieceDone of an earlier use of the slot
+    would otherwise let the next piece overwrite one that is not scattered yet."""
 
     room: Room
     agent_name: Name
     slot: NonNeg
+    seq: NonNeg = 0
 
 
 class SlotAsk(msgspec.Struct, frozen=True, tag="slot_ask"):
