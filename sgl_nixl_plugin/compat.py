@@ -66,6 +66,9 @@ RELIED_SIGNATURES: tuple[ReliedSignature, ...] = (
         "state_indices, decode_prefix_len, is_dummy, device_kv_indices=None)",
     ),
     ReliedSignature(
+        f"{_COMMON}:CommonKVManager.record_failure", "(self, bootstrap_room, failure_reason)"
+    ),
+    ReliedSignature(
         f"{_COMMON}:CommonKVSender.__init__",
         "(self, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=False)",
     ),

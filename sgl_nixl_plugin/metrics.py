@@ -79,6 +79,12 @@ def transfer_done(
 
 
 @_safe
+def failure(reason: str | None) -> None:
+    """A failed room seen by a decode (the prefill counts its own in ``transfer_done``)."""
+    _metrics()["failures"].labels(failure_kind(reason)).inc()
+
+
+@_safe
 def rejected(reason: str) -> None:
     _metrics()["rejected"].labels(reason).inc()
 

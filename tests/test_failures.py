@@ -22,6 +22,7 @@ from helpers.faults import (
     netns_unavailable,
     poll_until,
 )
+from helpers.prom import multiproc_registry, sample_value
 
 from sgl_nixl_plugin.bench.session import free_port
 from sgl_nixl_plugin.bench.workload import PRESETS, ModelShape, Request, Workload
@@ -117,7 +118,10 @@ def test_prefill_killed_mid_transfer_fails_its_rooms_fast(tmp_path: Path) -> Non
     with a reason naming that prefill rank; requests to the healthy instance go on. Before
     the kill, the rooms are held past the ping deadline: healthy peers stay alive (each side
     answers the other's pings)."""
-    with FaultCluster(TINY, tmp_path, SHORT_PINGS) as c:
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    env = {**SHORT_PINGS, "PROMETHEUS_MULTIPROC_DIR": str(prom)}
+    with FaultCluster(TINY, tmp_path, env) as c:
         port0, port1 = free_port(), free_port()
         # All start at once: a prefill retries its bootstrap registration for ~15 s.
         boot0 = c.bootstrap("boot0", port0)
@@ -166,6 +170,10 @@ def test_prefill_killed_mid_transfer_fails_its_rooms_fast(tmp_path: Path) -> Non
         assert f"tcp://{dead[0]}:{dead[1]}" not in st["sockets"], st
         assert boot0.alive(), "the bootstrap server of the killed prefill went down"
         assert not _room_tables(st["tables"]), st["tables"]
+    # every failed room was counted once, as a lost peer (by the decode: the prefill died)
+    lost = multiproc_registry(prom)
+    assert sample_value(lost, "sgl_nixl_failures_total", reason="peer_lost") == len(to0)
+    assert sample_value(lost, "sgl_nixl_failures_total") == len(to0)
 
 
 # ---------------------------------------------------------------------------------------

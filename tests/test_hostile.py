@@ -39,6 +39,7 @@ import pytest
 import requests
 import zmq
 from helpers.pd import E2E_ENV, hermetic_environ, session_problems, workload
+from helpers.prom import multiproc_registry, rejected_counts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -67,7 +68,6 @@ from sgl_nixl_plugin.wire.messages import (
     TransferStatus,
 )
 
-REJECTED = "sgl_nixl_rejected_messages_total"
 #: Seconds any single wait in these tests may take (a rank process imports SGLang first).
 WAIT_S = 90.0
 #: KVPoll values on the wire.
@@ -87,38 +87,6 @@ def poll_until(what: str, fn: Callable[[], Any], timeout: float = WAIT_S, every:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(every)
-
-
-def rejected_counts(registry: Any = None) -> Counter[str]:
-    """``sgl_nixl_rejected_messages_total`` by reason, from ``registry`` (default: this process)."""
-    if registry is None:
-        from prometheus_client import REGISTRY as registry
-    out: Counter[str] = Counter()
-    for metric in registry.collect():
-        for s in metric.samples:
-            if s.name == REJECTED:
-                out[s.labels["reason"]] += s.value
-    return out
-
-
-def multiproc_registry(path: Any) -> Any:
-    """A registry over the metric files the rank processes wrote to ``path``."""
-    from prometheus_client import CollectorRegistry
-    from prometheus_client.multiprocess import MultiProcessCollector
-
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(path))
-    return registry
-
-
-def sample_value(registry: Any, name: str, **labels: str) -> float:
-    """Sum of the samples called ``name`` whose labels include ``labels``."""
-    return sum(
-        s.value
-        for metric in registry.collect()
-        for s in metric.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 # --------------------------------------------------------------------- PD sessions

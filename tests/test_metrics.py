@@ -16,14 +16,12 @@ import numpy as np
 import pytest
 import requests
 from helpers.pd import E2E_ENV, expected_bytes, leaked_tables, workload
+from helpers.prom import multiproc_registry, rejected_counts, sample_value
 from test_hostile import (
     FakeDecode,
     FdCapture,
     LiveSession,
-    multiproc_registry,
     poll_until,
-    rejected_counts,
-    sample_value,
 )
 
 from sgl_nixl_plugin.bench.session import SessionConfig

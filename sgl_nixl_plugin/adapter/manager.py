@@ -340,6 +340,15 @@ class NixlPluginKVManager(CommonKVManager):
         with self._engine_lock:
             self.engine.unlink(link)
 
+    def record_failure(self, bootstrap_room: int, failure_reason: str) -> None:
+        """SGLang's, and on a decode each failed room's first reason is counted in
+        ``sgl_nixl_failures_total`` (lost prefills, refusals, aborts; a prefill counts its
+        rooms when their transfers end)."""
+        first = bootstrap_room not in self.failure_records
+        super().record_failure(bootstrap_room, failure_reason)
+        if first and self.disaggregation_mode == DisaggregationMode.DECODE:
+            metrics.failure(failure_reason)
+
     def fail_rooms_of_peer(self, agent: str, reason: str) -> None:
         for room, infos in list(self.transfer_infos.items()):
             info = infos.get(agent)
