@@ -1,0 +1,348 @@
+"""The VRAM copier on Triton: one launch per gather/scatter covering every region and unit
+of a piece, 16-byte accesses where addresses allow, and remembered specializations launched
+through their compiled launcher (Triton's generic dispatch costs tens of µs per call)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+
+from sgl_nixl_plugin.engine.copy_common import (
+    _align_of,
+    _as_bases,
+    _check_geometry,
+    _require_torch_cuda,
+    _require_triton,
+)
+from sgl_nixl_plugin.engine.copy_device import (
+    DeviceBases,
+    GpuCopier,
+    _aligned_units,
+    _DeviceIndex,
+    _StreamScope,
+)
+
+logger = logging.getLogger(__name__)
+
+# Triton tiles: each program copies about TILE_BYTES, in rows of at most MAX_BLOCK_WORDS
+# 4-byte words (a unit larger than that is split over several programs).
+TILE_BYTES = 16384
+MAX_BLOCK_WORDS = 2048
+NUM_WARPS = 4
+
+
+tl: Any = None  # triton.language, bound by _triton_kernel() (the kernel's global ``tl``)
+
+
+def _unit_copy_kernel(
+    bases_ptr, units_ptr, n_units, stage, unit_words, stride, offset,
+    GATHER: tl.constexpr, ALIGN: tl.constexpr, BLOCK_U: tl.constexpr,
+    BLOCK_W: tl.constexpr, EVEN_W: tl.constexpr,
+):
+    # Program (p, slot) copies BLOCK_U units x BLOCK_W words of region ``slot``; ``p``
+    # enumerates (unit block, word block) pairs, word blocks fastest. Byte addresses are
+    # int64 until the final cast to ``int32*``; ALIGN (a power of two, 4..16) divides every
+    # row start, so the compiler may issue ALIGN-byte vector accesses.
+    pid = tl.program_id(0)
+    slot = tl.program_id(1)
+    n_wblocks = tl.cdiv(unit_words, BLOCK_W)
+    ub = pid // n_wblocks
+    wb = pid % n_wblocks
+    j = ub * BLOCK_U + tl.arange(0, BLOCK_U)
+    row_ok = j < n_units
+    u = tl.load(units_ptr + j, mask=row_ok, other=0).to(tl.int64)
+    base = tl.load(bases_ptr + slot).to(tl.int64)
+    region_addr = base + offset + u * stride
+    stage_addr = stage + (slot.to(tl.int64) * n_units + j) * (unit_words * 4)
+    # the hint goes on the pointers: it does not survive the int -> pointer cast
+    region_row = tl.multiple_of(region_addr.to(tl.pointer_type(tl.int32)), ALIGN)
+    stage_row = tl.multiple_of(stage_addr.to(tl.pointer_type(tl.int32)), ALIGN)
+    w = wb * BLOCK_W + tl.arange(0, BLOCK_W)
+    rp = region_row[:, None] + w[None, :]
+    sp = stage_row[:, None] + w[None, :]
+    if EVEN_W:
+        mask = row_ok[:, None]
+    else:
+        mask = row_ok[:, None] & (w[None, :] < unit_words)
+    if GATHER:
+        v = tl.load(rp, mask=mask)
+        tl.store(sp, v, mask=mask)
+    else:
+        v = tl.load(sp, mask=mask)
+        tl.store(rp, v, mask=mask)
+
+
+_KERNEL: Any = None
+_KERNEL_LOCK = threading.Lock()
+_LAUNCH_LOCK = threading.Lock()
+
+
+def _triton_kernel() -> Any:
+    """The jitted kernel (imports triton on first use)."""
+    global _KERNEL, tl
+    with _KERNEL_LOCK:
+        if _KERNEL is None:
+            triton = _require_triton()
+            import triton.language as language
+
+            tl = language
+            # n_units and stage change per call: no recompile for n == 1 or for alignment.
+            _KERNEL = triton.jit(do_not_specialize=["n_units", "stage"])(_unit_copy_kernel)
+        return _KERNEL
+
+
+def tile_shape(unit_words: int, tile_bytes: int = TILE_BYTES) -> tuple[int, int, bool]:
+    """(BLOCK_U, BLOCK_W, EVEN_W) for units of ``unit_words`` 4-byte words."""
+    p2 = unit_words & -unit_words
+    if p2 >= 32:
+        block_w, even = min(p2, MAX_BLOCK_WORDS), True
+    else:
+        block_w = min(1 << (unit_words - 1).bit_length(), MAX_BLOCK_WORDS)
+        even = unit_words % block_w == 0
+    block_u = max(1, (tile_bytes // 4) // block_w)
+    return block_u, block_w, even
+
+
+def launch_unit_copy(
+    gather: bool, bases_t: Any, units_t: Any, n: int, unit_len: int, stride: int, offset: int,
+    stage: int, align: int, tile_bytes: int = TILE_BYTES, num_warps: int = NUM_WARPS,
+    fast: _FastLaunch | None = None,
+) -> None:
+    """Launch the kernel on the current stream. ``bases_t`` (int64) and ``units_t`` (int64
+    or int32) are tensors the kernel can read; ``align`` comes from ``_alignment``. With
+    ``fast``, a specialization launched before skips Triton's Python dispatch."""
+    if align < 4:
+        raise ValueError(
+            "the Triton copier needs 4-byte alignment of unit_len, stride, offset, every base "
+            f"and the staging address (largest common power of two here: {align})"
+        )
+    regions = int(bases_t.shape[0])
+    if regions > 65535:
+        raise ValueError(f"{regions} regions in one piece: at most 65535")
+    unit_words = unit_len // 4
+    block_u, block_w, even = tile_shape(unit_words, tile_bytes)
+    programs = -(-n // block_u) * -(-unit_words // block_w)
+    if programs >= 1 << 31:
+        raise ValueError("request too large for one launch")
+    args = (bases_t, units_t, n, stage, unit_words, stride, offset,
+            bool(gather), align, block_u, block_w, even)
+    if fast is not None and fast.launch((programs, regions), num_warps, args):
+        return
+    kernel = _triton_kernel()
+    with _LAUNCH_LOCK:  # one compile per shape, even when several threads start at once
+        compiled = kernel[(programs, regions)](
+            bases_t, units_t, n, stage, unit_words, stride, offset,
+            GATHER=bool(gather), ALIGN=align, BLOCK_U=block_u, BLOCK_W=block_w, EVEN_W=even,
+            num_warps=num_warps,
+        )
+    if fast is not None:
+        fast.remember(num_warps, args, compiled)
+
+
+def _spec(x: int) -> tuple[bool, bool]:
+    return x == 1, x % 16 == 0
+
+
+class _FastLaunch:
+    """Launches a kernel specialization Triton compiled before, through its compiled
+    launcher: Triton's generic dispatch (argument binding, specialization key, cache lookup)
+    costs tens of microseconds per call in Python, paid per staged piece.
+
+    The key mirrors what Triton specializes on: the constexprs, 16-byte alignment of the
+    two pointers, the index dtype, and (=1, %16) of the integer arguments it does not
+    treat as ``do_not_specialize``. ``TritonCopier.warmup`` checks the bytes it copies;
+    any failure turns it off for good (the generic path remains)."""
+
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+        self.enabled = True
+        self._kernels: dict[tuple, Any] = {}
+        try:
+            from triton import knobs
+
+            self._hooks: Any = knobs.runtime
+        except Exception:  # older Triton: hooks live on CompiledKernel
+            self._hooks = None
+
+    @staticmethod
+    def _key(num_warps: int, args: tuple) -> tuple:
+        bases_t, units_t, _, _, unit_words, stride, offset = args[:7]
+        return (num_warps, *args[7:], units_t.dtype, bases_t.data_ptr() % 16 == 0,
+                units_t.data_ptr() % 16 == 0, _spec(unit_words), _spec(stride), _spec(offset))
+
+    def remember(self, num_warps: int, args: tuple, compiled: Any) -> None:
+        if self.enabled and compiled is not None and hasattr(compiled, "run"):
+            self._kernels[self._key(num_warps, args)] = compiled
+
+    def launch(self, grid: tuple[int, int], num_warps: int, args: tuple) -> bool:
+        if not self.enabled:
+            return False
+        ck = self._kernels.get(self._key(num_warps, args))
+        if ck is None:
+            return False
+        try:
+            stream = self.torch._C._cuda_getCurrentRawStream(self.torch._C._cuda_getDevice())
+            full = (grid[0], grid[1], 1)
+            hooks = self._hooks
+            enter = getattr(hooks, "launch_enter_hook", None) if hooks else None
+            leave = getattr(hooks, "launch_exit_hook", None) if hooks else None
+            meta = ck.launch_metadata(full, stream, *args)
+            ck.run(full[0], full[1], full[2], stream, ck.function, ck.packed_metadata, meta,
+                   enter, leave, *args)
+            return True
+        except Exception as exc:
+            logger.warning("sgl-nixl: fast Triton launch failed (%s); using Triton's own", exc)
+            self.enabled = False
+            return False
+
+
+class TritonCopier(GpuCopier):
+    """GPU memory: one Triton launch per gather/scatter call (all regions, all units)."""
+
+    def __init__(
+        self, device: int = 0, tile_bytes: int = TILE_BYTES, num_warps: int = NUM_WARPS
+    ) -> None:
+        torch = _require_torch_cuda(device)
+        _require_triton()
+        self.torch = torch
+        self.device = torch.device("cuda", device)
+        self.tile_bytes = tile_bytes
+        self.num_warps = num_warps
+        self._index = _DeviceIndex(torch, self.device)
+        self._fast = _FastLaunch(torch)
+        self._prepared: dict[tuple[bytes, int], DeviceBases] = {}
+        _triton_kernel()
+
+    def bind(self, stream: Any) -> None:
+        """Make ``stream`` (on our device) the calling thread's current one, so that calls
+        from this thread with that stream skip switching device and stream per call. For
+        threads that only ever copy (the staging threads)."""
+        torch = self.torch
+        torch.cuda.set_device(self.device)
+        if stream is not None:
+            torch.cuda.set_stream(stream)
+
+    def _is_current(self, stream: Any) -> bool:
+        c = self.torch._C
+        dev = c._cuda_getDevice()
+        if dev != self.device.index:
+            return False
+        return stream is None or c._cuda_getCurrentRawStream(dev) == stream.cuda_stream
+
+    def prepare_bases(self, bases: Any, stream: Any = None) -> DeviceBases:
+        """``bases`` uploaded once per set and stream; slice the result per piece."""
+        b = _as_bases(bases)
+        key = (b.tobytes(), 0 if stream is None else stream.cuda_stream)
+        hit = self._prepared.get(key)
+        if hit is None:
+            with _StreamScope(self.torch, self.device, stream) as s:
+                dev, _ = self._index._upload(b.view(np.int64), s)
+            hit = DeviceBases(dev, int(np.bitwise_or.reduce(b)) if b.size else 0)
+            with self._index._lock:
+                self._prepared[key] = hit
+                while len(self._prepared) > _DeviceIndex.BASES_CACHE:
+                    self._prepared.pop(next(iter(self._prepared)))
+        return hit
+
+    def warmup(self, unit_len: int, stride: int | None = None, offset: int = 0) -> None:
+        """Compile (and check) the gather and scatter kernels for this geometry now: the
+        first launch of a new shape compiles for a second or so. Raises on a wrong copy."""
+        stride = unit_len if stride is None else stride
+        torch = self.torch
+        g = torch.Generator(device="cpu").manual_seed(0)
+        region = torch.randint(0, 256, (offset + 3 * stride,), dtype=torch.uint8, generator=g)
+        region = region.to(self.device)
+        before = region.clone()
+        stage = torch.zeros(2 * unit_len, dtype=torch.uint8, device=self.device)
+        bases = np.array([region.data_ptr()], dtype=np.uint64)
+        units = np.array([2, 0], dtype=np.int64)
+        self.gather(bases, units, unit_len, stride, offset, stage.data_ptr())
+        want = torch.cat([before[offset + k * stride:][:unit_len] for k in (2, 0)])
+        ok = torch.equal(stage, want)
+        region.zero_()
+        self.scatter(bases, units, unit_len, stride, offset, stage.data_ptr())
+        for k in (2, 0):
+            ok = ok and torch.equal(
+                region[offset + k * stride:][:unit_len], before[offset + k * stride:][:unit_len]
+            )
+        self.synchronize()
+        if not ok:
+            raise RuntimeError(
+                f"the Triton copier copied wrong bytes in its self-test (unit_len {unit_len}, "
+                f"stride {stride}, offset {offset})"
+            )
+        self._check_fast(region, before, bases, units, unit_len, stride, offset)
+
+    def _check_fast(
+        self, region: Any, before: Any, bases: np.ndarray, units: np.ndarray, unit_len: int,
+        stride: int, offset: int,
+    ) -> None:
+        """Run the per-piece path (prepared bases and units, fast launches) twice and compare
+        bytes; on any failure keep only Triton's own dispatch."""
+        torch = self.torch
+        if not self._fast.enabled:
+            return
+        try:
+            with _StreamScope(torch, self.device, None):
+                b = self.prepare_bases(bases)
+                u = self.prepare_units(units)
+                stage = torch.zeros(2 * unit_len, dtype=torch.uint8, device=self.device)
+                want = torch.cat([before[offset + k * stride:][:unit_len] for k in (2, 0)])
+                ok = True
+                for _ in range(2):  # the first call compiles and remembers, the second reuses
+                    stage.zero_()
+                    self.gather(b, u, unit_len, stride, offset, stage.data_ptr())
+                    ok = ok and torch.equal(stage, want)
+                    region.zero_()
+                    self.scatter(b, u, unit_len, stride, offset, stage.data_ptr())
+                    ok = ok and torch.equal(region, before * (region != 0)) and all(
+                        torch.equal(region[offset + k * stride:][:unit_len],
+                                    before[offset + k * stride:][:unit_len]) for k in (2, 0)
+                    )
+                torch.cuda.synchronize(self.device)
+        except Exception as exc:
+            ok = False
+            logger.warning("sgl-nixl: the fast Triton launch path failed its self-test: %s", exc)
+        if not ok:
+            self._fast.enabled = False
+            logger.warning("sgl-nixl: fast Triton launches off (self-test); copies stay correct")
+
+    def _copy(
+        self, gather: bool, bases: Any, units: Any, unit_len: int, stride: int, offset: int,
+        stage: int, stream: Any,
+    ) -> None:
+        unit_len, stride, offset, stage = int(unit_len), int(stride), int(offset), int(stage)
+        _check_geometry(unit_len, stride, offset, stage)
+        n = int(units.shape[0]) if hasattr(units, "shape") else len(units)
+        if n == 0 or len(bases) == 0:
+            return
+        if (
+            isinstance(bases, DeviceBases) and isinstance(units, self.torch.Tensor)
+            and units.is_cuda and units.dim() == 1 and self._is_current(stream)
+        ):
+            # the per-piece path: everything already on the GPU, on the right stream
+            align = _align_of(bases.bits, unit_len, stride, offset, stage)
+            if align >= 4:
+                launch_unit_copy(
+                    gather, bases.aligned(), _aligned_units(units), n, unit_len, stride,
+                    offset, stage, align, self.tile_bytes, self.num_warps, self._fast,
+                )
+                return
+        if isinstance(bases, DeviceBases):
+            bases = bases.tensor.cpu().numpy().view(np.uint64)  # rare: another thread/stream
+        with _StreamScope(self.torch, self.device, stream) as s:
+            bases_t, acc = self._index.bases(bases, s)
+            align = _align_of(acc, unit_len, stride, offset, stage)
+            if align < 4:
+                raise ValueError(
+                    "the Triton copier needs unit_len, stride, offset, every base address and "
+                    f"the staging address to be multiples of 4 (they share only {align})"
+                )
+            units_t = self._index.units(units, s)
+            launch_unit_copy(
+                gather, bases_t, units_t, n, unit_len, stride, offset, stage, align,
+                self.tile_bytes, self.num_warps, self._fast,
+            )
