@@ -90,7 +90,6 @@ class DecodeStaging:
         if self.scatters is not None:
             self.scatters.wake()
 
-
     def area(self) -> StagingArea:
         b = self.buffer
         return StagingArea(Region(b.ptr, b.nbytes, b.slot_bytes, b.device, b.mem_kind), b.slot_bytes)

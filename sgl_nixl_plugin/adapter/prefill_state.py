@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -19,13 +19,8 @@ from sgl_nixl_plugin.wire.messages import (
     PeerRegistration,
 )
 
-if TYPE_CHECKING:
-    pass
-
-
 # KVPoll values (SGLang's enum is an int enum; kept numeric to keep this module SGLang-free)
 FAILED, WAITING_FOR_INPUT, SUCCESS = 0, 2, 4
-
 
 
 @dataclass(eq=False)  # identity: holds arrays and live state
