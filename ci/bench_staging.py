@@ -110,10 +110,10 @@ from sgl_nixl_plugin.engine.staging import (  # noqa: E402
     RemoteStaging,
     StagedSend,
     StagingBuffer,
-    piece_bytes,
-    plan_pieces,
+    plan_request,
 )
 from sgl_nixl_plugin.registry.spec import AgentConfig  # noqa: E402
+from sgl_nixl_plugin.settings import STAGING_DEFAULTS  # noqa: E402
 
 MiB = 1 << 20
 
@@ -136,13 +136,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype-bytes", type=int, default=2, help="2 = bf16")
     p.add_argument("--staging-mib", type=int, default=None,
-                   help="default 1024, the plugin's VRAM default (16 with --quick)")
+                   help="default: the plugin's VRAM default (16 with --quick)")
     p.add_argument("--slot-mib", type=int, default=None,
-                   help="default 128, the plugin's VRAM default (2 with --quick)")
+                   help="default: the plugin's VRAM default (2 with --quick)")
     p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS),
                    help="rows to run (default: all)")
     p.add_argument("--pipeline-pieces", type=int, default=None,
-                   help="override staging.PIPELINE_PIECES (pieces per request; tuning)")
+                   help="override staging.PIPELINE_PIECES and PIPELINE_PIECES_SAME_DEVICE "
+                   "(pieces per request; tuning)")
     p.add_argument("--min-piece-mib", type=int, default=None,
                    help="override staging.MIN_PIECE_BYTES for --mem (tuning)")
     p.add_argument("--copier", choices=("auto", "triton", "torch", "numpy"), default="auto",
@@ -150,6 +151,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recv-progress-us", type=float, default=1000.0,
                    help="receiver: progress its NIXL agent this often while waiting for a "
                         "message (the adapter's decode listener uses 1 ms; 0 spins)")
+    p.add_argument("--recv-spin-ms", type=float, default=0.0,
+                   help="receiver: after each message, poll without blocking for this long "
+                   "(a blocking wake-up costs ~0.1-0.3 ms on some hosts)")
     p.add_argument("--num-threads", type=int, default=0, help="NIXL backend threads (0: default)")
     p.add_argument(
         "--per-page-requests", type=int, default=0,
@@ -180,8 +184,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "requests": 3 if q else 50,
         "min_tokens": 256 if q else 4096,
         "max_tokens": 512 if q else 8192,
-        "staging_mib": 16 if q else 1024,
-        "slot_mib": 2 if q else 128,
+        "staging_mib": 16 if q else STAGING_DEFAULTS["VRAM"][0] // MiB,
+        "slot_mib": 2 if q else STAGING_DEFAULTS["VRAM"][1] // MiB,
     }
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -509,6 +513,7 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
             "staging_ptr": st.ptr,
             "slot_bytes": st.slot_bytes,
             "num_slots": st.num_slots,
+            "staging_uuid": st.device_uuid,
         }))
         dst = src = dst_dev = dst_units = None
         scatters = ScatterQueue(copier, side.stream)
@@ -527,10 +532,15 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
                 conn.send(("scattered", slot, t_got, t_launched[0], time.perf_counter()))
             _hot(False)
 
+        spin = cfg["recv_spin_ms"] * 1e-3
         while True:
             last = time.perf_counter()
             checked = last
-            while not conn.poll(0 if len(scatters) else tick):
+            # like the decode's control loop: poll without sleeping for a while after a
+            # message (more pieces are coming), then block; and while scatters are queued
+            while not conn.poll(
+                0 if len(scatters) or time.perf_counter() - last < spin else tick
+            ):
                 if len(scatters):
                     finished()
                     continue
@@ -553,13 +563,13 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
                 elif kind == "req":
                     dst, src = msg[1], msg[2]
                     dst_dev = side.idx(dst) if side.torch is not None else dst
-                    dst_units = None  # prepared at its first piece (inside the timed row)
+                    # like the decode (DecodeStaging._prepare): page indices uploaded when
+                    # the room is granted slots, before the prefill sends anything
+                    dst_units = copier.prepare_units(dst, side.stream)
                 elif kind == "piece":
                     _hot(True)
                     _, slot, r0, r1, j0, j1, unit_len = msg
                     t_got = time.perf_counter()
-                    if dst_units is None:
-                        dst_units = copier.prepare_units(dst, side.stream)
                     launched = [0.0]  # set once the launch call returned
                     scatters.launch((slot, t_got, launched), bases=bases_dev[r0:r1],
                                     units=dst_units[j0:j1], unit_len=unit_len, stride=unit_len,
@@ -618,6 +628,8 @@ def timeline(
         return (min(ts) - t0) * 1e3 if ts else float("nan")
 
     out = {
+        "step_in_ms": first("first gather"),
+        "units_ready_ms": first("units ready"),
         "indices_ready_ms": first("indices ready"),
         "first_gather_launch_ms": first("gather launched"),
         "first_gather_done_ms": first("gather done"),
@@ -655,7 +667,11 @@ class Sender:
         self.link = self.side.engine.link(hello["meta"], Memory(kv=remote_kv,
                                                                  aux=RegionSet.of([], [], [], self.mem)))
         self.link_s = time.perf_counter() - t0
-        self.remote_staging = RemoteStaging(hello["staging_ptr"], hello["slot_bytes"], rdev, self.mem)
+        self.remote_staging = RemoteStaging(hello["staging_ptr"], hello["slot_bytes"], rdev, self.mem,
+                                            hello.get("staging_uuid", ""))
+        # as the prefill decides: one GPU for both sides when the UUIDs match
+        self.same_device = bool(self.side.staging.device_uuid) and (
+            self.side.staging.device_uuid == self.remote_staging.device_uuid)
         self.requests = make_requests(cfg, page_size)
         self.peer_buf = None
         if self.mem == "VRAM" and cfg["send_gpu"] != cfg["recv_gpu"]:
@@ -788,14 +804,15 @@ class Sender:
         deadline = self._deadline()
         _hot(True)
         t0 = time.perf_counter()
-        tune = {"PIPELINE_PIECES": self.cfg["pipeline_pieces"]}
+        n = self.cfg["pipeline_pieces"]  # overrides whichever rule applies (one GPU or two)
+        tune = {"PIPELINE_PIECES": n, "PIPELINE_PIECES_SAME_DEVICE": n}
         if self.cfg["min_piece_mib"] is not None:
             tune["MIN_PIECE_BYTES"] = {self.mem: self.cfg["min_piece_mib"] * MiB}
         for k, v in tune.items():
             if v is not None:
                 setattr(staging_mod, k, v)
-        pieces = plan_pieces(s.R, req["pages"], s.item,
-                             piece_bytes(req["bytes"], s.staging.slot_bytes, self.mem))
+        pieces = plan_request(s.R, req["pages"], s.item, s.staging.slot_bytes, self.mem,
+                              same_device=self.same_device)
         remote_free = deque(range(self.peer_info["num_slots"]))
         copier = _TimedCopier(self.copier)
         trace: list[tuple[int, str, float]] = []
@@ -1220,7 +1237,9 @@ def fmt_table(run: dict, cfg: dict) -> str:
             med = {k: float(np.median([c.get(k, np.nan) for c in comps])) for k in comps[0]}
             gather_what = "gather calls" if cfg["mem"] == "DRAM" else "gather launches"
             notes.append(
-                f"{int(med['pieces'])} pieces; p50: indices uploaded "
+                f"{int(med['pieces'])} pieces; p50: first step "
+                f"{med.get('step_in_ms', np.nan):.2f}, units uploaded "
+                f"{med.get('units_ready_ms', np.nan):.2f}, indices uploaded "
                 f"{med.get('indices_ready_ms', np.nan):.2f}, first gather launched "
                 f"{med.get('first_gather_launch_ms', np.nan):.2f} / seen done "
                 f"{med.get('first_gather_done_ms', np.nan):.2f}, first WRITE posted "
@@ -1339,7 +1358,8 @@ def main(argv: list[str] | None = None) -> int:
           f"page_sizes={args.page_size} requests={args.requests} "
           f"tokens={args.min_tokens}-{args.max_tokens} layers={args.layers} "
           f"staging={args.staging_mib} MiB slot={args.slot_mib} MiB "
-          f"pieces={args.pipeline_pieces or staging_mod.PIPELINE_PIECES}/request (min "
+          f"pieces={args.pipeline_pieces or staging_mod.PIPELINE_PIECES}/request "
+          f"({args.pipeline_pieces or staging_mod.PIPELINE_PIECES_SAME_DEVICE} on one GPU; min "
           f"{args.min_piece_mib or staging_mod.MIN_PIECE_BYTES[args.mem] // MiB} MiB) "
           f"verify={args.verify} "
           f"row_budget={args.row_budget_s:.0f}s budget={args.budget_s:.0f}s", flush=True)

@@ -176,6 +176,49 @@ def main() -> int:
         rows.append(("units upload 4096 (pinned, async)", *timed(
             lambda: torch.from_numpy(units_big).pin_memory().to(dev, non_blocking=True), args.n)))
         stream.synchronize()
+        # a request's page indices: a new array of a new length each time, GPU idle and the
+        # host thread asleep for 1 ms before each (as at the head of a request)
+        lens = np.random.default_rng(2).integers(4096, 8193, size=64)
+        arrays = [np.random.default_rng(int(k)).permutation(int(k)).astype(np.int64)
+                  for k in lens]
+        nxt = iter(range(10**9))
+        arr = lambda: arrays[next(nxt) % 64]  # noqa: E731
+        idle = lambda _: (stream.synchronize(), time.sleep(0.001))  # noqa: E731
+        dbuf = torch.empty(8192, dtype=torch.int64, device=dev)
+        pbuf = torch.empty(8192, dtype=torch.int64).pin_memory()
+        pnp = pbuf.numpy()
+
+        def via_pinned_buf() -> Any:
+            a = arr()
+            pnp[: len(a)] = a
+            dbuf[: len(a)].copy_(pbuf[: len(a)], non_blocking=True)
+            return dbuf
+
+        for name, fn in (
+            ("upload: pin_memory() + to(non_blocking)",
+             lambda: torch.from_numpy(arr()).pin_memory().to(dev, non_blocking=True)),
+            ("upload: pageable to(non_blocking)",
+             lambda: torch.from_numpy(arr()).to(dev, non_blocking=True)),
+            ("upload: torch.as_tensor(device=)",
+             lambda: torch.as_tensor(arr(), device=dev)),
+            ("upload: kept pinned + device buffers", via_pinned_buf),
+            ("upload: torch.empty on the device only",
+             lambda: torch.empty(len(arr()), dtype=torch.int64, device=dev)),
+            ("copier.prepare_units (bound stream)", lambda: copier.prepare_units(arr(), stream)),
+        ):
+            rows.append((name + ", idle before", *timed(fn, min(args.n, 100), after=idle)))
+            rows.append((name + ", back to back", *timed(fn, args.n)))
+        stream.synchronize()
+        pu_fresh = [copier.prepare_units(a, stream) for a in arrays[:8]]
+        stream.synchronize()
+        k8 = iter(range(10**9))
+        rows.append(("gather of a piece, fresh units, idle before", *timed(
+            lambda: copier.gather(pb[0:8], pu_fresh[next(k8) % 8][0:4096], 2048, 2048, 0,
+                                  stage, stream), min(args.n, 100), after=idle)))
+        rows.append(("gather of a piece, same units, idle before", *timed(
+            lambda: copier.gather(pb[0:8], pu[0:16], 2048, 2048, 0, stage, stream),
+            min(args.n, 100), after=idle)))
+        stream.synchronize()
 
         def wait(x: Any) -> None:
             end = time.monotonic() + 10

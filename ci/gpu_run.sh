@@ -110,7 +110,7 @@ staging() {
         return 0
     fi
     # the benchmark's own budget ends before `timeout`: it stops rows early and writes JSON
-    # staging 1 GiB in 128 MiB slots on both sides: the plugin's VRAM defaults
+    # staging sizes: the plugin's VRAM defaults (settings.STAGING_DEFAULTS)
     step "$name" "$limit" "$PY" ci/bench_staging.py --mem VRAM --page-size 1 16 \
         --requests 50 --min-tokens 4096 --max-tokens 8192 \
         --row-budget-s 40 --req-timeout-s 30 --setup-timeout-s 90 \

@@ -85,10 +85,10 @@ class Settings:
         )
 
 
-#: Default staging buffer and slot sizes per memory kind: 128 MiB slots on GPUs (a 1 GiB
-#: request goes in ~8 pipelined pieces; 8 slots serve two rooms at once), modest ones in
-#: host memory.
-STAGING_DEFAULTS = {"VRAM": (1 << 30, 128 << 20), "DRAM": (128 << 20, 16 << 20)}
+#: Default staging buffer and slot sizes per memory kind: on GPUs 2 GiB in 256 MiB slots (a
+#: 1 GiB request goes in 4-7 pipelined pieces, see ``staging.piece_bytes``; 8 slots serve two
+#: rooms at once), modest ones in host memory.
+STAGING_DEFAULTS = {"VRAM": (2 << 30, 256 << 20), "DRAM": (128 << 20, 16 << 20)}
 
 
 def staging_sizes(settings: Settings, mem_kind: str) -> tuple[int, int]:

@@ -100,5 +100,25 @@ def test_pd_rooms_wait_for_receiver_staging_slots(slot_wait: str) -> None:
     decode = res.decode[(0, 0)]["tables"]
     assert decode["staging.waiting"] == 0
     assert decode["count.staging.asks"] > 0, decode  # rooms really had to wait
+    # every room's page indices were uploaded when it was granted, none at a first piece
+    assert decode["count.staging.prepared"] > 0 and decode["count.staging.late_uploads"] == 0
     if slot_wait == "5":
         assert decode["count.staging.late_grants"] >= decode["count.staging.asks"], decode
+
+
+def test_pd_tp_mismatch_senders_share_a_rooms_slots() -> None:
+    """Four prefill ranks send to one decode rank (TP 4 -> 1) through staging with 8
+    receiver slots. Slots return only when a room ends, so each sender gets a share of the
+    room's (``slots_per_sender``): all four start at once and no sender has to ask and wait
+    (with a whole room's worth each, two would wait ``SLOT_WAIT`` and then go direct)."""
+    env = {
+        "SGL_NIXL_PLUGIN_TRANSFER_PATH": "staging",
+        "SGL_NIXL_PLUGIN_STAGING_BYTES": str(128 << 10),  # 8 slots
+        "SGL_NIXL_PLUGIN_STAGING_PIECE_BYTES": str(16 << 10),
+    }
+    w = workload("tiny", 16, requests=6, concurrency=1, min_tokens=64, max_tokens=160)
+    res = run_pd(w, prefill_tp=4, decode_tp=1, env=env)
+    assert_clean(res)
+    decode = res.decode[(0, 0)]["tables"]
+    assert decode["count.staging.asks"] == 0, decode
+    assert decode["count.staging.prepared"] > 0 and decode["count.staging.late_uploads"] == 0

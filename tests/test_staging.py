@@ -20,12 +20,14 @@ from sgl_nixl_plugin.engine.scatter_queue import ScatterQueue
 from sgl_nixl_plugin.engine.staging import (
     MIN_PIECE_BYTES,
     PIPELINE_PIECES,
+    PIPELINE_PIECES_SAME_DEVICE,
     RemoteStaging,
     StagedSend,
     StagingBuffer,
     choose_path,
     piece_bytes,
     plan_pieces,
+    plan_request,
     unit_indices_of,
 )
 from sgl_nixl_plugin.registry.spec import AgentConfig
@@ -68,6 +70,11 @@ def test_piece_bytes_pipelines_large_requests_and_respects_slots():
     assert piece_bytes(60 * mib, 512 * mib, "VRAM") == MIN_PIECE_BYTES["VRAM"]
     assert piece_bytes(60 * mib, 512 * mib, "DRAM") == 10 * mib
     assert piece_bytes(10, 1 << 30, "DRAM") == MIN_PIECE_BYTES["DRAM"]
+    # both sides on one GPU: fewer, larger pieces (their copies take turns there)
+    same = piece_bytes(768 * mib, 512 * mib, "VRAM", same_device=True)
+    assert 768 * mib // same == PIPELINE_PIECES_SAME_DEVICE < PIPELINE_PIECES
+    assert len(plan_request(64, 6144, 2048, 256 * mib, "VRAM", same_device=True)) == 4
+    assert len(plan_request(64, 6144, 2048, 256 * mib, "VRAM")) >= PIPELINE_PIECES
 
 
 def test_path_rule():
@@ -298,3 +305,28 @@ def test_failure_in_the_middle_releases_slots_and_reports(pair):
     assert job.done_pieces < len(job.pieces)
     assert a.staging.free == a.staging.num_slots  # no local slot is lost to the failure
     assert a.engine.agent.live["xfer"] == 0  # nothing in flight is left counted as live
+
+
+def test_a_rooms_receiver_slots_are_shared_by_its_senders():
+    from sgl_nixl_plugin.adapter.decode_staging import SLOTS_PER_ROOM, slots_per_sender
+
+    assert slots_per_sender(1) == SLOTS_PER_ROOM
+    assert slots_per_sender(0) == SLOTS_PER_ROOM  # unknown: one sender
+    assert [slots_per_sender(k) for k in (2, 4, 8)] == [SLOTS_PER_ROOM // 2, 1, 1]
+
+
+@pytest.mark.parametrize("upp", [1, 3, 16])
+def test_decode_expands_uploaded_pages_into_units_like_the_sender(upp):
+    """The decode uploads a room's page numbers once and derives each chunk's units from
+    them (numpy, or torch where the copier keeps them): the same numbers the sender plans
+    with (``unit_indices_of``)."""
+    import torch
+
+    from sgl_nixl_plugin.adapter.decode_staging import _expand
+
+    pages = np.random.default_rng(upp).permutation(500)[:37].astype(np.int64)
+    want = unit_indices_of(pages, Geometry(8, upp, 8, 8))
+    assert np.array_equal(_expand(pages, upp), want)
+    assert np.array_equal(_expand(torch.from_numpy(pages), upp).numpy(), want)
+    if torch.cuda.is_available():  # where the decode's GPU copier keeps them
+        assert np.array_equal(_expand(torch.from_numpy(pages).cuda(), upp).cpu().numpy(), want)

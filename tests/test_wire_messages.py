@@ -97,7 +97,9 @@ compats = st.builds(
     head_bytes=nonneg,
     is_mla=st.booleans(),
 )
-stagings = st.none() | st.builds(StagingArea, region=regions, slot_bytes=positive)
+stagings = st.none() | st.builds(
+    StagingArea, region=regions, slot_bytes=positive, device_uuid=st.text(max_size=64)
+)
 
 peer_registrations = st.builds(
     PeerRegistration,
@@ -712,3 +714,24 @@ def test_failing_listener_does_not_make_decode_raise():
     # still exactly one reason per refused message, and not an internal error
     assert codec.rejections.counts() == {"not_ours": 1}
     assert codec.decode(Codec().encode(PING)) is not None
+
+
+def test_staging_area_device_uuid_is_optional_both_ways():
+    """0.2.0 peers send no ``device_uuid`` (read as "", i.e. not the same GPU) and ignore
+    ours: the field is added without a protocol version bump."""
+    region = Region(ptr=1 << 20, length=1 << 30, item_len=1 << 28, device=0, mem_kind="VRAM")
+    old_wire = msgspec.msgpack.encode({"region": region, "slot_bytes": 1 << 28})
+    assert msgspec.msgpack.decode(old_wire, type=StagingArea).device_uuid == ""
+
+    class StagingArea020(msgspec.Struct, frozen=True):  # the 0.2.0 schema
+        region: Region
+        slot_bytes: int
+
+    new = StagingArea(region, 1 << 28, "GPU-5f1e2d3c")
+    old_view = msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=StagingArea020)
+    assert (old_view.region, old_view.slot_bytes) == (region, 1 << 28)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(
+            msgspec.msgpack.encode({"region": region, "slot_bytes": 1, "device_uuid": "x" * 65}),
+            type=StagingArea,
+        )

@@ -42,6 +42,39 @@ logger = logging.getLogger(__name__)
 SLOTS_PER_ROOM = 4
 
 
+def slots_per_sender(senders: int) -> int:
+    """A room's slots, shared by the prefill ranks that send to it (TP mismatch: several).
+
+    Slots come back when the room ends, and it ends only once every sender is done: giving
+    each of k senders the whole SLOTS_PER_ROOM would let the first two of four fill the
+    pool while the others wait for slots only the room's end frees (then go direct after
+    SGL_NIXL_PLUGIN_SLOT_WAIT). One slot a sender still moves its bytes, one piece at a time.
+    """
+    return max(1, SLOTS_PER_ROOM // max(1, senders))
+
+
+def _expand(pages: Any, upp: int) -> Any:
+    """Unit numbers of ``pages`` with ``upp`` units a page (``unit_indices_of``), computed
+    where ``pages`` lives: numpy, or torch on the calling thread's (bound) stream."""
+    if upp == 1:
+        return pages
+    if isinstance(pages, np.ndarray):
+        return (pages[:, None] * upp + np.arange(upp)).ravel()
+    import torch
+
+    step = torch.arange(upp, dtype=pages.dtype, device=pages.device)
+    return (pages[:, None] * upp + step).reshape(-1)
+
+
+class _Prepare:
+    """Launcher task: upload a newly granted room's page indices."""
+
+    __slots__ = ("room",)
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+
+
 class DecodeStaging:
     def __init__(self, mgr: NixlPluginKVManager, device: int) -> None:
         self.mgr = mgr
@@ -61,6 +94,8 @@ class DecodeStaging:
         self._asks: deque[tuple[int, tuple[str, int]]] = deque()
         self.asks = 0  # senders that had to wait for a slot (counted, for metrics and tests)
         self.late_grants = 0  # slots granted to them later
+        self.prepared = 0  # rooms whose page indices were uploaded before their first piece
+        self.late_uploads = 0  # chunks whose indices had to be uploaded at their first piece
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -92,7 +127,8 @@ class DecodeStaging:
 
     def area(self) -> StagingArea:
         b = self.buffer
-        return StagingArea(Region(b.ptr, b.nbytes, b.slot_bytes, b.device, b.mem_kind), b.slot_bytes)
+        region = Region(b.ptr, b.nbytes, b.slot_bytes, b.device, b.mem_kind)
+        return StagingArea(region, b.slot_bytes, b.device_uuid)
 
     # -- grants ---------------------------------------------------------------------------
     def grant(self, room: int, pages: np.ndarray) -> list[int]:
@@ -100,9 +136,12 @@ class DecodeStaging:
         then that sender asks (``SlotAsk``) and gets slots as they free up (``serve``)."""
         with self._lock:
             self._expire_quarantine()
-            slots = self.buffer.acquire(SLOTS_PER_ROOM) if not self._asks else []
+            slots = self.buffer.acquire(self._per_sender(room)) if not self._asks else []
             self.room_slots.setdefault(room, []).extend(slots)
+            fresh = room not in self.room_pages
             self.room_pages[room] = np.array(pages, dtype=np.int64)
+        if fresh:
+            self._queue.put(_Prepare(room))  # upload its page indices before any piece lands
         return slots
 
     def ask(self, m: SlotAsk) -> None:
@@ -128,12 +167,18 @@ class DecodeStaging:
                 room, ep = self._asks.popleft()
                 if room not in self.room_pages:
                     continue  # ended while waiting
-                slots = self.buffer.acquire(SLOTS_PER_ROOM)
+                slots = self.buffer.acquire(self._per_sender(room))
                 self.room_slots.setdefault(room, []).extend(slots)
                 grants += [(ep, SlotGrant(room, self.mgr.engine.name, s)) for s in slots]
                 self.late_grants += len(slots)
         for ep, g in grants:
             self.mgr.send_to(ep, g)
+
+    def _per_sender(self, room: int) -> int:
+        """Slots for one sender of ``room``: SGLang records how many prefill ranks answer
+        for it (``required_prefill_response_num_table``) before asking them."""
+        senders = getattr(self.mgr, "required_prefill_response_num_table", {}).get(room, 1)
+        return slots_per_sender(int(senders or 1))
 
     @property
     def waiting(self) -> int:
@@ -166,7 +211,7 @@ class DecodeStaging:
             return bool(self.room_slots.get(room))
 
     # -- the scatter thread -------------------------------------------------------------
-    def submit(self, msg: PieceReady | TransferStatus | AbortAck) -> None:
+    def submit(self, msg: PieceReady | TransferStatus | AbortAck | _Prepare) -> None:
         self._queue.put(msg)
 
     def _run(self) -> None:
@@ -180,6 +225,8 @@ class DecodeStaging:
             try:
                 if isinstance(msg, PieceReady):
                     self._launch(msg)
+                elif isinstance(msg, _Prepare):
+                    self._prepare(msg.room)
                 else:
                     self.scatters.after(msg)
             except Exception:
@@ -206,6 +253,44 @@ class DecodeStaging:
                 except Exception:
                     logger.exception("sgl-nixl: scatter completion error (room %s)", item.room)
 
+    def _prepare(self, room: int) -> None:
+        """The room's page numbers on the copy stream's device, uploaded while the prefill
+        still computes: a piece of a whole-page chunk then only slices them (an upload
+        costs ~0.1-0.3 ms of host time, which would otherwise delay the first scatter)."""
+        with self._lock:
+            pages = self.room_pages.get(room)
+        if pages is None:
+            return
+        units = self.copier.prepare_units(pages, self.stream)
+        with self._lock:
+            if room in self.room_pages:  # not if the room ended meanwhile
+                self._room_units[(room, 0, -1, 1)] = units
+                self.prepared += 1
+
+    def _units_of(self, m: PieceReady, pages: np.ndarray) -> Any:
+        """The chunk's unit numbers where the copier reads them: sliced (and, for several
+        units a page, expanded on the copy stream) from the room's uploaded page numbers."""
+        key = (m.room, m.page_start, m.page_count, m.units_per_item)
+        with self._lock:
+            units = self._room_units.get(key)
+            whole = self._room_units.get((m.room, 0, -1, 1))
+        if units is not None:
+            return units
+        if whole is not None:
+            units = _expand(whole[m.page_start : m.page_start + m.page_count], m.units_per_item)
+            with self._lock:
+                if m.room in self.room_slots:
+                    self._room_units[key] = units
+            return units
+        geo = Geometry(m.unit_len, m.units_per_item, m.unit_len, m.dst_stride, 0, m.dst_offset)
+        host = unit_indices_of(pages[m.page_start : m.page_start + m.page_count], geo)
+        units = self.copier.prepare_units(host, self.stream)
+        with self._lock:
+            self.late_uploads += 1
+            if m.room in self.room_slots:  # not if the room ended meanwhile
+                self._room_units[key] = units
+        return units
+
     def _launch(self, m: PieceReady) -> None:
         mgr = self.mgr
         with self._lock:
@@ -218,16 +303,8 @@ class DecodeStaging:
                 mgr.record_failure(m.room, f"staging piece rejected: {problem}")
                 mgr.update_status(m.room, 0)
             return
-        key = (m.room, m.page_start, m.page_count, m.units_per_item)
-        with self._lock:
-            units = self._room_units.get(key)
-        if units is None:
-            geo = Geometry(m.unit_len, m.units_per_item, m.unit_len, m.dst_stride, 0, m.dst_offset)
-            host = unit_indices_of(pages[m.page_start : m.page_start + m.page_count], geo)
-            units = self.copier.prepare_units(host, self.stream)
-            with self._lock:
-                if m.room in self.room_slots:  # not if the room ended meanwhile
-                    self._room_units[key] = units
+        assert pages is not None  # _validate said so
+        units = self._units_of(m, pages)
         assert self.scatters is not None
         self.scatters.launch(
             m, bases=self._bases_dev[m.r0 : m.r1], units=units[m.j0 : m.j1], unit_len=m.unit_len,

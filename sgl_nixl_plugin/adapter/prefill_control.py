@@ -207,7 +207,9 @@ class PrefillControl(ControlLoop):
                 staging = None
                 if reg.staging is not None:
                     r = reg.staging.region
-                    staging = RemoteStaging(r.ptr, reg.staging.slot_bytes, r.device, r.mem_kind)
+                    staging = RemoteStaging(
+                        r.ptr, reg.staging.slot_bytes, r.device, r.mem_kind, reg.staging.device_uuid
+                    )
                 self.peers[reg.agent_name] = DecodePeer(reg.agent_name, link, reg, endpoint, staging=staging)
                 self.refused.pop(reg.agent_name, None)
         if old_link is not None:

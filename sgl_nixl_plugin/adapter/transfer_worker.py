@@ -31,8 +31,7 @@ from sgl_nixl_plugin.engine.descriptors import expected_descriptors
 from sgl_nixl_plugin.engine.staging import (
     StagedSend,
     choose_path,
-    piece_bytes,
-    plan_pieces,
+    plan_request,
     staging_unit_len,
     unit_indices_of,
 )
@@ -226,9 +225,10 @@ class TransferWorker:
             src_bases=np.asarray(mgr.engine.memory.kv.ptrs, dtype=np.uint64)[: g.num_regions],
             units=units,
             geometry=geo,
-            pieces=plan_pieces(
-                g.num_regions, len(units), unit_len,
-                piece_bytes(g.unit_bytes * n, slot, mgr.kv_mem_kind),
+            pieces=plan_request(
+                g.num_regions, len(units), unit_len, slot, mgr.kv_mem_kind,
+                same_device=bool(staging.device_uuid)
+                and staging.device_uuid == peer.staging.device_uuid,
             ),
             remote_free=credits,
             stream=mgr.copy_stream,

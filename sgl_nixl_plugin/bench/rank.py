@@ -243,6 +243,8 @@ def _tables(mgr: Any) -> dict[str, int]:
         out["staging.waiting"] = staging.waiting
         out["count.staging.asks"] = staging.asks  # counters, not tables: need not be 0
         out["count.staging.late_grants"] = staging.late_grants
+        out["count.staging.prepared"] = staging.prepared
+        out["count.staging.late_uploads"] = staging.late_uploads
     tracker = getattr(mgr, "addr_to_rooms_tracker", None)
     if tracker is not None:
         out["addr_to_rooms_tracker"] = sum(len(v) for v in tracker.values())
@@ -355,6 +357,17 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
     return {"results": results, "timed_out": timed_out, "tables": tables}
 
 
+def _prefill_registered(addr: str) -> bool:
+    """Whether the bootstrap at ``addr`` has every prefill rank (the open aggregate query)."""
+    import requests
+
+    q = "prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+    try:
+        return requests.get(f"http://{addr}/route?{q}", timeout=1).status_code == 200
+    except requests.RequestException:
+        return False
+
+
 def run_decode(
     spec: RankSpec, env: dict[str, Any], progress: Any = None, before_close: Any = None
 ) -> dict[str, Any]:
@@ -375,12 +388,18 @@ def run_decode(
     results: dict[int, dict[str, Any]] = {}
     deadline = time.monotonic() + spec.deadline_s
     ready: set[str] = set()
+    probed: dict[str, float] = {}
     while (pending or active) and time.monotonic() < deadline:
         while pending and len(active) < w.concurrency:
             r = pending[0]
             addr = spec.prefill_addr_of(index_of[r.room])
             if addr not in ready:
-                if not mgr.try_ensure_parallel_info(addr):
+                # SGLang logs an ERROR for every query that finds the prefill not registered
+                # yet: ask quietly (every 50 ms) until it is, then let SGLang fetch its info
+                if time.monotonic() - probed.get(addr, 0.0) < 0.05:
+                    break
+                probed[addr] = time.monotonic()
+                if not _prefill_registered(addr) or not mgr.try_ensure_parallel_info(addr):
                     break
                 ready.add(addr)
             pages = pool.alloc(r.pages(w.page_size), r.contiguous)

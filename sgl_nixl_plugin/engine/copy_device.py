@@ -184,6 +184,12 @@ class GpuCopier:
         else:
             self.torch.cuda.synchronize(self.device)
 
+    def _is_current(self, stream: Any) -> bool:
+        """Whether ``stream`` is already this thread's current stream on our device."""
+        return False
+
     def prepare_units(self, units: Any, stream: Any = None) -> Any:
+        if stream is not None and self._is_current(stream):  # a bound thread: no scope
+            return self._index.units(units, stream)
         with _StreamScope(self.torch, self.device, stream) as s:
             return self._index.units(units, s)

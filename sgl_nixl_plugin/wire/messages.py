@@ -59,6 +59,9 @@ class StagingArea(msgspec.Struct, frozen=True):
 
     region: Region
     slot_bytes: Annotated[int, msgspec.Meta(gt=0)]
+    # the GPU's UUID ("" for host memory or from 0.2.0 and older): equal on both sides
+    # means one GPU shared by both processes, which pipelines in fewer pieces
+    device_uuid: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class PeerRegistration(msgspec.Struct, frozen=True, tag="reg"):

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Piece-count / slot-size sweep of the staged transfer on the lent GPU machine, in ONE call:
+#
+#     VARIANTS="base s256 s512 s1024 two" bash ci/gpu_sweep.sh
+#
+# Each variant runs ci/bench_staging.py (rows ceiling, WRITE, ours; REQ requests, default 20)
+# at page sizes 1 and 16 and appends the summary rows to $OUT/sweep.txt (one file: the device
+# tool brings back only a few). Needs .whl/ as for ci/gpu_run.sh. docs/benchmarks.md §4 has
+# the results of the 0.3.0 session (docs/gpu-runs/s3/sweep.txt).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+T0=$SECONDS
+run() {  # name, then bench args
+    local name=$1
+    shift
+    echo "=== $name" >>"$OUT/sweep.txt"
+    echo "=== $name (+$((SECONDS - T0))s): $*"
+    timeout -k 5 "${LIM:-100}" python3 ci/bench_staging.py --mem VRAM --page-size 1 16 \
+        --requests "${REQ:-20}" --rows ceiling write ours "$@" >"$OUT/$name.log" 2>&1
+    echo "rc=$?"
+    sed -n '/bench_staging summary/,$p' "$OUT/$name.log" | grep -E "^   [125] |== page|verify" |
+        cut -c1-700 | tee -a "$OUT/sweep.txt"
+    rm -f "$OUT/$name.log"
+}
+if [[ ${COSTS:-0} == 1 ]]; then
+    timeout 120 python3 ci/gpu_host_costs.py 2>&1 | grep -v NIXL | tee "$OUT/costs.txt"
+fi
+for v in ${VARIANTS:-base}; do
+    case $v in
+    base) run base --send-gpu 0 --recv-gpu 0 ;;  # the plugin's defaults
+    s128) run s128 --send-gpu 0 --recv-gpu 0 --slot-mib 128 --staging-mib 1024 --pipeline-pieces 6 ;;
+    s256) run s256 --send-gpu 0 --recv-gpu 0 --slot-mib 256 --pipeline-pieces 4 ;;
+    s512) run s512 --send-gpu 0 --recv-gpu 0 --slot-mib 512 --staging-mib 2048 --pipeline-pieces 2 ;;
+    s1024) run s1024 --send-gpu 0 --recv-gpu 0 --slot-mib 1024 --staging-mib 2048 --pipeline-pieces 1 ;;
+    spin) run spin --send-gpu 0 --recv-gpu 0 --recv-spin-ms 2 ;;
+    two) run two --send-gpu 0 --recv-gpu 1 ;;
+    two4) run two4 --send-gpu 0 --recv-gpu 1 --pipeline-pieces 4 ;;
+    *) echo "unknown variant $v" ;;
+    esac
+done
+echo "sweep done +$((SECONDS - T0))s"
