@@ -48,9 +48,9 @@ run tp11_p1 $COMMON --page-size 1
 run tp21_p16 $COMMON --page-size 16 --prefill-tp 2
 run tp12_p1 $COMMON --page-size 1 --decode-tp 2
 run tp11_mla --preset deepseek-mla --page-size 16 --requests 16 --min-tokens 1024 --max-tokens 4096
-export SGL_NIXL_PLUGIN_TRANSFER_PATH=direct
+export SGLANG_NIXL_PLUGIN_TRANSFER_PATH=direct
 run tp11_direct_p16 --requests 8 --min-tokens 1024 --max-tokens 4096 --page-size 16
-unset SGL_NIXL_PLUGIN_TRANSFER_PATH
+unset SGLANG_NIXL_PLUGIN_TRANSFER_PATH
 if want kill; then
   echo "=== prefill killed mid-transfer" | tee -a "$OUT/e2e.txt"
   timeout 200 python3 ci/kill_check.py --mem VRAM --decode-gpu "$DEC_GPU" 2>"$OUT/err_kill.txt" | tee -a "$OUT/e2e.txt"

@@ -15,12 +15,13 @@ import enum
 import importlib
 import importlib.metadata
 import inspect
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
+
+from sgl_nixl_plugin import env
 
 #: The SGLang releases this plugin supports. Keep in step with ``[project.optional-dependencies]
 #: sglang`` in pyproject.toml.
@@ -31,7 +32,7 @@ SUPPORTED_SPECIFIER = SpecifierSet(SUPPORTED_SGLANG)
 
 #: Test hook: when set, pretend this SGLang version is installed. Lets tests (and a curious
 #: deployer) exercise the version gate without installing another SGLang. Not for production.
-VERSION_OVERRIDE_ENV = "SGL_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE"
+VERSION_OVERRIDE_ENV = "SGLANG_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE"  # or SGL_NIXL_PLUGIN_...
 
 FIX_HINT = (
     f"Fix: pip install 'sgl-nixl-plugin[sglang]' (or pip install 'sglang=={TESTED_SGLANG}'), "
@@ -111,7 +112,7 @@ def installed_sglang_version() -> str | None:
 
     Honours :data:`VERSION_OVERRIDE_ENV` (a test hook) before asking ``importlib.metadata``.
     """
-    override = os.environ.get(VERSION_OVERRIDE_ENV, "").strip()
+    override = env.get("SGLANG_VERSION_OVERRIDE").strip()
     if override:
         return override
     try:

@@ -7,9 +7,10 @@ are read by ``registry.manager.default_agent_config`` so that deployer hooks see
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from sgl_nixl_plugin import env
 
 logger = logging.getLogger(__name__)
 
@@ -17,30 +18,31 @@ TRANSFER_PATHS = ("auto", "direct", "staging")
 
 
 def _int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
+    var, raw = env.lookup(name)
     try:
         return int(raw) if raw else default
     except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} is not an integer") from exc
+        raise ValueError(f"{var}={raw!r} is not an integer") from exc
 
 
 def _float(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
+    var, raw = env.lookup(name)
     try:
         return float(raw) if raw else default
     except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} is not a number") from exc
+        raise ValueError(f"{var}={raw!r} is not a number") from exc
 
 
 def read_secret() -> bytes | None:
-    """The shared secret from ``SGL_NIXL_PLUGIN_SECRET`` or ``SGL_NIXL_PLUGIN_SECRET_FILE``."""
-    raw = os.environ.get("SGL_NIXL_PLUGIN_SECRET", "")
-    path = os.environ.get("SGL_NIXL_PLUGIN_SECRET_FILE", "")
+    """The shared secret from ``SGLANG_NIXL_PLUGIN_SECRET`` or ``..._SECRET_FILE`` (or their
+    ``SGL_NIXL_PLUGIN_`` spellings, see ``env``)."""
+    raw = env.get("SECRET")
+    var, path = env.lookup("SECRET_FILE")
     if path:
         try:
             raw = Path(path).read_text().strip()
         except OSError as exc:
-            raise ValueError(f"SGL_NIXL_PLUGIN_SECRET_FILE={path!r} is unreadable: {exc}") from exc
+            raise ValueError(f"{var}={path!r} is unreadable: {exc}") from exc
     return raw.encode() if raw else None
 
 
@@ -61,27 +63,27 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
-        path = os.environ.get("SGL_NIXL_PLUGIN_TRANSFER_PATH", "auto").lower()
+        var, path = env.lookup("TRANSFER_PATH")
+        path = (path or "auto").lower()
         if path not in TRANSFER_PATHS:
-            raise ValueError(
-                f"SGL_NIXL_PLUGIN_TRANSFER_PATH={path!r}: expected one of {TRANSFER_PATHS}"
-            )
-        kind = os.environ.get("SGL_NIXL_PLUGIN_KV_MEM_KIND", "").upper()
+            raise ValueError(f"{var}={path!r}: expected one of {TRANSFER_PATHS}")
+        var, kind = env.lookup("KV_MEM_KIND")
+        kind = kind.upper()
         if kind not in ("", "DRAM", "VRAM"):
-            raise ValueError(f"SGL_NIXL_PLUGIN_KV_MEM_KIND={kind!r}: expected DRAM or VRAM")
+            raise ValueError(f"{var}={kind!r}: expected DRAM or VRAM")
         return cls(
             secret=read_secret(),
-            workers=max(1, _int("SGL_NIXL_PLUGIN_WORKERS", 2)),
-            nixl_threads=max(0, _int("SGL_NIXL_PLUGIN_NIXL_THREADS", 8)),
-            progress_thread=os.environ.get("SGL_NIXL_PLUGIN_PROGRESS_THREAD", "0") == "1",
+            workers=max(1, _int("WORKERS", 2)),
+            nixl_threads=max(0, _int("NIXL_THREADS", 8)),
+            progress_thread=env.get("PROGRESS_THREAD", "0") == "1",
             transfer_path=path,
-            staging_bytes=_int("SGL_NIXL_PLUGIN_STAGING_BYTES", -1),
-            staging_piece_bytes=_int("SGL_NIXL_PLUGIN_STAGING_PIECE_BYTES", -1),
+            staging_bytes=_int("STAGING_BYTES", -1),
+            staging_piece_bytes=_int("STAGING_PIECE_BYTES", -1),
             kv_mem_kind=kind,
-            liveness_interval_s=_float("SGL_NIXL_PLUGIN_LIVENESS_INTERVAL", 1.0),
-            liveness_misses=max(1, _int("SGL_NIXL_PLUGIN_LIVENESS_MISSES", 5)),
-            abort_drain_timeout_s=_float("SGL_NIXL_PLUGIN_ABORT_DRAIN_TIMEOUT", 5.0),
-            slot_wait_s=max(0.0, _float("SGL_NIXL_PLUGIN_SLOT_WAIT", 2.0)),
+            liveness_interval_s=_float("LIVENESS_INTERVAL", 1.0),
+            liveness_misses=max(1, _int("LIVENESS_MISSES", 5)),
+            abort_drain_timeout_s=_float("ABORT_DRAIN_TIMEOUT", 5.0),
+            slot_wait_s=max(0.0, _float("SLOT_WAIT", 2.0)),
         )
 
 

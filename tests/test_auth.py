@@ -47,6 +47,12 @@ AGGREGATE = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&targ
 RANK0 = "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
 
 
+#: Both spellings of the secret's variables (see ``sgl_nixl_plugin.env``).
+SECRET_VARS = tuple(
+    p + n for p in ("SGLANG_NIXL_PLUGIN_", "SGL_NIXL_PLUGIN_") for n in ("SECRET", "SECRET_FILE")
+)
+
+
 @pytest.fixture
 def prom(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A metrics directory the rank processes write to (they inherit this environment)."""
@@ -54,7 +60,7 @@ def prom(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     path.mkdir()
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(path))
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-    for name in ("SGL_NIXL_PLUGIN_SECRET", "SGL_NIXL_PLUGIN_SECRET_FILE"):
+    for name in SECRET_VARS:
         monkeypatch.delenv(name, raising=False)  # only what a test gives a rank
     yield path
 
@@ -197,16 +203,18 @@ DOCTOR_CASES = {
     # name: (environment overrides, expected status, words in detail/fix)
     "exposed_no_secret": (
         {"SGLANG_HOST_IP": None, "HOST_IP": "10.1.2.3"}, "warn",
-        ["10.1.2.3 (from HOST_IP)", "without a shared secret", "SGL_NIXL_PLUGIN_SECRET=<secret>",
-         "SGL_NIXL_PLUGIN_SECRET_FILE=", "SGLANG_HOST_IP=127.0.0.1"],
+        ["10.1.2.3 (from HOST_IP)", "without a shared secret", "SGLANG_NIXL_PLUGIN_SECRET=<secret>",
+         "SGLANG_NIXL_PLUGIN_SECRET_FILE=", "SGLANG_HOST_IP=127.0.0.1"],
     ),
-    "wildcard_with_secret": (
-        {"SGLANG_HOST_IP": "0.0.0.0", "SGL_NIXL_PLUGIN_SECRET": "s3cret"}, "ok",
-        ["0.0.0.0 (from SGLANG_HOST_IP)", "signed", "SGL_NIXL_PLUGIN_SECRET is set"],
+    "wildcard_with_secret": (  # the spelling SGLang asks for
+        {"SGLANG_HOST_IP": "0.0.0.0", "SGLANG_NIXL_PLUGIN_SECRET": "s3cret"}, "ok",
+        ["0.0.0.0 (from SGLANG_HOST_IP)", "signed", "SGLANG_NIXL_PLUGIN_SECRET is set"],
     ),
     "auto_detected_secret_file": (
+        # the 0.2.0 spelling, still read (SGLang, imported by the doctor, copies it to
+        # SGLANG_NIXL_PLUGIN_SECRET_FILE, which the report may then name)
         {"SGLANG_HOST_IP": None, "HOST_IP": None, "SGL_NIXL_PLUGIN_SECRET_FILE": "@FILE@"}, "ok",
-        ["get_local_ip_auto", "SGL_NIXL_PLUGIN_SECRET_FILE is set"],
+        ["get_local_ip_auto", "NIXL_PLUGIN_SECRET_FILE is set"],
     ),
 }
 
@@ -218,7 +226,7 @@ def test_doctor_warns_on_exposed_sockets_without_a_secret(tmp_path: Any) -> None
     cli = subproc.console_script("sgl-nixl-plugin")
     procs = {}
     for name, (overrides, _, _) in DOCTOR_CASES.items():
-        env = {"SGL_NIXL_PLUGIN_SECRET": None, "SGL_NIXL_PLUGIN_SECRET_FILE": None, **overrides}
+        env = {**dict.fromkeys(SECRET_VARS), **overrides}
         env = {k: (str(secret_file) if v == "@FILE@" else v) for k, v in env.items()}
         procs[name] = subprocess.Popen(  # all at once: each imports SGLang and probes NIXL
             [cli, "doctor", "--json"], env=subproc.clean_env(env), cwd=str(subproc.REPO_ROOT),
@@ -248,7 +256,7 @@ def test_doctor_warns_on_exposed_sockets_without_a_secret(tmp_path: Any) -> None
 
 def test_exposure_check_in_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
                                    capsys: pytest.CaptureFixture[str]) -> None:
-    for name in ("SGLANG_HOST_IP", "HOST_IP", "SGL_NIXL_PLUGIN_SECRET", "SGL_NIXL_PLUGIN_SECRET_FILE"):
+    for name in ("SGLANG_HOST_IP", "HOST_IP", *SECRET_VARS):
         monkeypatch.delenv(name, raising=False)
 
     def run() -> tuple[doctor.CheckResult, dict[str, Any]]:

@@ -16,7 +16,8 @@ SMALL = ["--preset", "tiny", "--requests", "8", "--min-tokens", "32", "--max-tok
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SGL_NIXL_PLUGIN_")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SGL_NIXL_PLUGIN_", "SGLANG_NIXL_PLUGIN_"))}
     env.update(SGLANG_HOST_IP="127.0.0.1", UCX_NET_DEVICES="lo", PYTHONWARNINGS="ignore")
     return env
 

@@ -429,8 +429,9 @@ def bootstrap(monkeypatch: pytest.MonkeyPatch) -> Iterator[Bootstrap]:
     """A fresh bootstrap server (no shared secret) in this process."""
     from sgl_nixl_plugin.adapter.bootstrap import NixlPluginKVBootstrapServer
 
-    monkeypatch.delenv("SGL_NIXL_PLUGIN_SECRET", raising=False)
-    monkeypatch.delenv("SGL_NIXL_PLUGIN_SECRET_FILE", raising=False)
+    for prefix in ("SGL_NIXL_PLUGIN_", "SGLANG_NIXL_PLUGIN_"):
+        monkeypatch.delenv(prefix + "SECRET", raising=False)
+        monkeypatch.delenv(prefix + "SECRET_FILE", raising=False)
     port = free_port()
     server = NixlPluginKVBootstrapServer(host="127.0.0.1", port=port)
     b = Bootstrap(f"http://127.0.0.1:{port}", server)

@@ -48,7 +48,7 @@ def slots_per_sender(senders: int) -> int:
     Slots come back when the room ends, and it ends only once every sender is done: giving
     each of k senders the whole SLOTS_PER_ROOM would let the first two of four fill the
     pool while the others wait for slots only the room's end frees (then go direct after
-    SGL_NIXL_PLUGIN_SLOT_WAIT). One slot a sender still moves its bytes, one piece at a time.
+    SGLANG_NIXL_PLUGIN_SLOT_WAIT). One slot a sender still moves its bytes, one piece at a time.
     """
     return max(1, SLOTS_PER_ROOM // max(1, senders))
 

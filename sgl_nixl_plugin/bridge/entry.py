@@ -20,7 +20,7 @@ def register() -> None:
     """Gate on the SGLang version and signatures, then route our backends into SGLang.
 
     Idempotent. On an unsupported SGLang it logs one error and registers nothing (SGLang's
-    in-tree backends keep working); with ``SGL_NIXL_PLUGIN_STRICT=1`` it raises SystemExit
+    in-tree backends keep working); with ``SGLANG_NIXL_PLUGIN_STRICT=1`` it raises SystemExit
     instead. SystemExit, not RuntimeError: ``load_plugins()`` catches and logs ``Exception``
     from plugins and would carry on without us.
     """

@@ -7,19 +7,18 @@ stops the process so a misconfigured deployment fails at start-up rather than pe
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from sgl_nixl_plugin import __version__, compat
+from sgl_nixl_plugin import __version__, compat, env
 
 #: Set to 1/true/yes/on to make an unsupported SGLang a start-up failure instead of a warning.
-STRICT_ENV = "SGL_NIXL_PLUGIN_STRICT"
+STRICT_ENV = "SGLANG_NIXL_PLUGIN_STRICT"  # or SGL_NIXL_PLUGIN_STRICT (see ``env``)
 _TRUE = {"1", "true", "yes", "on", "y"}
 
 
 def strict_mode() -> bool:
-    """Whether ``SGL_NIXL_PLUGIN_STRICT`` asks for a hard failure."""
-    return os.environ.get(STRICT_ENV, "").strip().lower() in _TRUE
+    """Whether ``SGLANG_NIXL_PLUGIN_STRICT`` asks for a hard failure."""
+    return env.get("STRICT").strip().lower() in _TRUE
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from sgl_nixl_plugin import __version__, compat
+from sgl_nixl_plugin import __version__, compat, env
 
 Status = Literal["ok", "warn", "fail", "info"]
 
@@ -97,7 +97,7 @@ def _fix_unless_said(problems: list[str]) -> str:
 def check_sglang(ctx: DoctorContext) -> list[CheckResult]:
     """SGLang installed, in the supported range, and with the signatures we rely on."""
     found = compat.installed_sglang_version()
-    overridden = bool(os.environ.get(compat.VERSION_OVERRIDE_ENV, "").strip())
+    overridden = bool(env.get("SGLANG_VERSION_OVERRIDE").strip())
     ctx.facts["sglang_version"] = found
     ctx.facts["sglang_supported_range"] = compat.SUPPORTED_SGLANG
     label = f"{found}{' (override)' if overridden else ''}" if found else "not installed"
@@ -386,8 +386,8 @@ def check_memory_kinds(ctx: DoctorContext) -> list[CheckResult]:
 
 
 #: Environment variables that carry the shared secret (see ``settings.read_secret``).
-SECRET_ENV = "SGL_NIXL_PLUGIN_SECRET"
-SECRET_FILE_ENV = "SGL_NIXL_PLUGIN_SECRET_FILE"
+SECRET_ENV = "SGLANG_NIXL_PLUGIN_SECRET"  # or SGL_NIXL_PLUGIN_SECRET (see ``env``)
+SECRET_FILE_ENV = "SGLANG_NIXL_PLUGIN_SECRET_FILE"
 #: Where SGLang takes the address its KV control sockets bind to (``get_local_ip_auto``).
 HOST_IP_ENVS = ("SGLANG_HOST_IP", "HOST_IP")
 _LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}
@@ -449,7 +449,7 @@ def check_exposure(ctx: DoctorContext) -> list[CheckResult]:
 
     host, source = listen_host()
     exposed = host is None or not is_loopback(host)
-    secret_vars = [v for v in (SECRET_ENV, SECRET_FILE_ENV) if os.environ.get(v)]
+    secret_vars = [var for var, value in map(env.lookup, ("SECRET", "SECRET_FILE")) if value]
     problem = ""
     try:
         has_secret = read_secret() is not None
