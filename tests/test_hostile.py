@@ -707,8 +707,9 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileRun]:
     mp.setenv("PROMETHEUS_MULTIPROC_DIR", str(prom))
     mp.setenv("UCX_NET_DEVICES", "lo")
     mp.setenv("SGL_NIXL_BENCH_LOG", "INFO")  # read before the rank applies its env
-    for name in ("SGL_NIXL_PLUGIN_SECRET", "SGL_NIXL_PLUGIN_SECRET_FILE"):
-        mp.delenv(name, raising=False)  # no shared secret anywhere in this session
+    for name in ("SECRET", "SECRET_FILE"):
+        for prefix in ("SGL_NIXL_PLUGIN_", "SGLANG_NIXL_PLUGIN_"):
+            mp.delenv(prefix + name, raising=False)  # no shared secret anywhere in this session
     w = workload("tiny", 16, requests=6, min_tokens=40, max_tokens=120)
     env = {**E2E_ENV, "PROMETHEUS_MULTIPROC_DIR": str(prom), "SGL_NIXL_BENCH_LOG": "INFO"}
     live = LiveSession(SessionConfig(w, timeout_s=100, env=env))

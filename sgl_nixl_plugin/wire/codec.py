@@ -6,7 +6,9 @@ A message is ``[MAGIC, header, *index_frames, mac?]``:
   and one ``Message`` of the tagged union);
 - each index frame is a raw little-endian int32 array sent straight from its numpy buffer
   and read back with ``np.frombuffer`` over the received frame: no Python lists, no copy;
-- ``mac`` (only when a shared secret is configured) is HMAC-SHA256 over every frame before it.
+- ``mac`` (only when a shared secret is configured) is HMAC-SHA256 over every frame before it;
+  a signed message is accepted once (``replay.ReplayGuard``) and only within ``max_skew_s`` of
+  its send time.
 
 ``Codec.decode`` never raises on bad input: it returns ``None`` after counting the reason
 and logging one line, so a receiving thread survives any garbage a peer sends.
@@ -34,6 +36,7 @@ from sgl_nixl_plugin.wire.messages import (
     Message,
     TransferRequest,
 )
+from sgl_nixl_plugin.wire.replay import ReplayGuard
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +130,7 @@ class Codec:
         self.secret = secret or None
         self.max_skew_s = max_skew_s
         self.rejections = rejections or Rejections()
+        self.replays = ReplayGuard(max_skew_s)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Envelope)
         self._probe = msgspec.msgpack.Decoder(_VersionProbe)
@@ -208,8 +212,12 @@ class Codec:
             if len(mac) != MAC_LEN or not hmac.compare_digest(mac, self._mac(frames[:-1])):
                 reject("bad_mac", "", peer)
                 return None
-            if not abs(time.time() - env.sent_at) <= self.max_skew_s:  # NaN is stale too
-                reject("stale", f"sent {time.time() - env.sent_at:.0f}s ago", peer)
+            now = time.time()
+            if not abs(now - env.sent_at) <= self.max_skew_s:  # NaN is stale too
+                reject("stale", f"sent {now - env.sent_at:.0f}s ago", peer)
+                return None
+            if not self.replays.first_time(mac, now):
+                reject("replayed", f"a copy of a {type(env.body).__name__} already accepted", peer)
                 return None
         elif env.signed:
             reject("unexpected_signature", "peer has a shared secret, this side has none", peer)
