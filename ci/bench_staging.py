@@ -536,8 +536,9 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
         while True:
             last = time.perf_counter()
             checked = last
-            # like the decode's control loop: poll without sleeping for a while after a
-            # message (more pieces are coming), then block; and while scatters are queued
+            # poll without sleeping while scatters are queued and, with --recv-spin-ms, for
+            # that long after a message (more pieces are coming); else block for ``tick``
+            # (the decode's control loop blocks on ZMQ: it has no spin window)
             while not conn.poll(
                 0 if len(scatters) or time.perf_counter() - last < spin else tick
             ):
