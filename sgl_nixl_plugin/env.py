@@ -27,7 +27,3 @@ def lookup(name: str) -> tuple[str, str]:
 def get(name: str, default: str = "") -> str:
     """The value of setting ``name`` (either spelling), or ``default``."""
     return lookup(name)[1] or default
-
-
-def is_set(name: str) -> bool:
-    return bool(lookup(name)[1])
