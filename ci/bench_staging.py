@@ -54,16 +54,17 @@ if str(_REPO) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-ROWS = ("ceiling", "write", "perpage", "plain", "ours")
-RUN_ORDER = ("ceiling", "write", "plain", "ours", "perpage")  # the slow one last
+ROWS = ("ceiling", "write", "perpage", "plain", "ours", "oursb")
+RUN_ORDER = ("ceiling", "write", "plain", "ours", "oursb", "perpage")  # the slow one last
 LABELS = {
     "ceiling": "1 ceiling: contiguous copy",
     "write": "2 one NIXL WRITE (1 descriptor)",
     "perpage": "3 per-page descriptors (SGLang)",
     "plain": "4 plain staging, no overlap",
     "ours": "5 ours: pipelined StagedSend",
+    "oursb": "6 ours, variant B (--b-*)",
 }
-VERIFIED_ROWS = ("perpage", "plain", "ours")
+VERIFIED_ROWS = ("perpage", "plain", "ours", "oursb")
 _PLUGGY_STUBBED = False
 
 
@@ -102,6 +103,9 @@ def _ensure_pluggy() -> None:
 _ensure_pluggy()
 
 from sgl_nixl_plugin.engine import staging as staging_mod  # noqa: E402
+
+_PLAN_DEFAULTS = {k: getattr(staging_mod, k) for k in (
+    "PIPELINE_PIECES", "PIPELINE_PIECES_SAME_DEVICE", "MIN_PIECE_BYTES")}
 from sgl_nixl_plugin.engine.descriptors import expected_descriptors  # noqa: E402
 from sgl_nixl_plugin.engine.engine import Memory, TransferEngine  # noqa: E402
 from sgl_nixl_plugin.engine.layout import Geometry, RegionSet  # noqa: E402
@@ -113,7 +117,7 @@ from sgl_nixl_plugin.engine.staging import (  # noqa: E402
     plan_request,
 )
 from sgl_nixl_plugin.registry.spec import AgentConfig  # noqa: E402
-from sgl_nixl_plugin.settings import STAGING_DEFAULTS  # noqa: E402
+from sgl_nixl_plugin.settings import STAGING_DEFAULTS, Settings  # noqa: E402
 
 MiB = 1 << 20
 
@@ -154,6 +158,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recv-spin-ms", type=float, default=0.0,
                    help="receiver: after each message, poll without blocking for this long "
                    "(a blocking wake-up costs ~0.1-0.3 ms on some hosts)")
+    p.add_argument("--map-units", choices=("on", "off"), default=None,
+                   help="sender: gathers read the request's indices from pinned host memory "
+                   "instead of uploading them first (default: the copier's own setting)")
+    p.add_argument("--b-pieces", type=int, default=None,
+                   help="row 6 (A/B in the same run, request by request): ours with this many "
+                   "pieces per request")
+    p.add_argument("--b-map-units", choices=("on", "off"), default=None,
+                   help="row 6: ours with --map-units set so")
+    p.add_argument("--warm-us", type=float, default=0.0,
+                   help="sender: spin this long just before each timed request, untimed "
+                   "(diagnostic: how much of the head is a thread waking up)")
     p.add_argument("--num-threads", type=int, default=0, help="NIXL backend threads (0: default)")
     p.add_argument(
         "--per-page-requests", type=int, default=0,
@@ -196,6 +211,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--requests must be >= 1")
     if args.host_torch and args.mem != "DRAM":
         p.error("--host-torch is for --mem DRAM")
+    has_b = args.b_pieces is not None or args.b_map_units is not None
+    if "oursb" in args.rows and not has_b:
+        if "--rows" in (argv if argv is not None else sys.argv):
+            p.error("row oursb needs --b-pieces or --b-map-units")
+        args.rows = [r for r in args.rows if r != "oursb"]
     if args.slot_mib < 1 or args.staging_mib < args.slot_mib:
         p.error("need 1 <= --slot-mib <= --staging-mib")
     return args
@@ -329,6 +349,11 @@ class _TimedCopier:
 
     def prepare_bases(self, bases: Any, stream: Any = None) -> Any:
         return self.inner.prepare_bases(bases, stream)
+
+    def release_units(self, units: Any, stream: Any = None) -> None:
+        release = getattr(self.inner, "release_units", None)
+        if release is not None:
+            release(units, stream)
 
     def bind(self, stream: Any) -> None:
         self.inner.bind(stream)
@@ -659,6 +684,7 @@ class Sender:
         self.side.fill_pattern()
         self.copier, self.copier_name = load_copier(self.mem, cfg["send_gpu"], cfg["copier"])
         self.copier.bind(self.side.stream)  # like a prefill transfer worker
+        self._map_default = Settings.from_env().map_indices  # as a prefill sets it
         hello = _recv(conn, cfg["setup_timeout_s"], "hello")[1]
         self.peer_info = hello
         conn.send(("peer", self.side.agent.metadata))
@@ -798,20 +824,37 @@ class Sender:
         return t3 - t0, {"gather_ms": (t1 - t0) * 1e3, "write_ms": (t2 - t1) * 1e3,
                          "scatter_ms": scatter_s * 1e3}
 
-    def row_ours(self, req: dict) -> tuple[float, dict]:
+    def row_oursb(self, req: dict) -> tuple[float, dict]:
+        """Row 5 with the --b-* settings, run on the same requests between row 5's."""
+        return self.row_ours(req, variant_b=True)
+
+    def row_ours(self, req: dict, variant_b: bool = False) -> tuple[float, dict]:
         s = self.side
+        cfg = self.cfg
+        if hasattr(self.copier, "map_units"):
+            want = cfg["b_map_units"] if variant_b and cfg["b_map_units"] else cfg["map_units"]
+            self.copier.map_units = self._map_default if want is None else want == "on"
+        index = getattr(self.copier, "_index", None)
+        if index is not None:  # rows 5 and 6 send the same request: no cached upload
+            index._units.clear()
         conn = self.conn
         s.sync()
         deadline = self._deadline()
+        if self.cfg["warm_us"] > 0:
+            end = time.perf_counter() + self.cfg["warm_us"] * 1e-6
+            while time.perf_counter() < end:
+                pass
         _hot(True)
         t0 = time.perf_counter()
-        n = self.cfg["pipeline_pieces"]  # overrides whichever rule applies (one GPU or two)
-        tune = {"PIPELINE_PIECES": n, "PIPELINE_PIECES_SAME_DEVICE": n}
+        # overrides whichever rule applies (one GPU or two)
+        n = cfg["b_pieces"] if variant_b and cfg["b_pieces"] else cfg["pipeline_pieces"]
+        tune = dict(_PLAN_DEFAULTS)  # each call from the defaults: rows 5 and 6 alternate
+        if n is not None:
+            tune.update(PIPELINE_PIECES=n, PIPELINE_PIECES_SAME_DEVICE=n)
         if self.cfg["min_piece_mib"] is not None:
             tune["MIN_PIECE_BYTES"] = {self.mem: self.cfg["min_piece_mib"] * MiB}
         for k, v in tune.items():
-            if v is not None:
-                setattr(staging_mod, k, v)
+            setattr(staging_mod, k, v)
         pieces = plan_request(s.R, req["pages"], s.item, s.staging.slot_bytes, self.mem,
                               same_device=self.same_device)
         remote_free = deque(range(self.peer_info["num_slots"]))
@@ -1177,10 +1220,8 @@ def summarise(run: dict) -> None:
             row["mean_bytes"] = float(np.mean(row["bytes"]))
             row["GBps"] = row["mean_bytes"] / (row["p50_ms"] * 1e-3) / 1e9
     rows = run.get("rows", {})
-    ours = rows.get("ours", {})
-
-    def ratio(other: str) -> dict | None:
-        o = rows.get(other, {})
+    def ratio(other: str, mine_key: str = "ours") -> dict | None:
+        ours, o = rows.get(mine_key, {}), rows.get(other, {})
         if not ours.get("times_ms") or not o.get("times_ms"):
             return None
         mine = dict(zip(ours["req_idx"], ours["times_ms"], strict=True))
@@ -1192,6 +1233,7 @@ def summarise(run: dict) -> None:
         return {"ours_over_other": float(np.median(r)), "n": len(common)}
 
     run["ratios"] = {k: ratio(k) for k in ("ceiling", "plain", "perpage", "write")}
+    run["ratios"]["b_over_a"] = ratio("ours", "oursb")
 
 
 def fmt_table(run: dict, cfg: dict) -> str:
@@ -1234,7 +1276,7 @@ def fmt_table(run: dict, cfg: dict) -> str:
                          f"{float(np.median([c['post_ms'] for c in comps])):.2f} ms of it (p50)")
         if key == "perpage" and comps:
             notes.append(f"{int(np.median([c['descriptors'] for c in comps]))} descriptors")
-        if key == "ours" and comps:
+        if key in ("ours", "oursb") and comps:
             med = {k: float(np.median([c.get(k, np.nan) for c in comps])) for k in comps[0]}
             gather_what = "gather calls" if cfg["mem"] == "DRAM" else "gather launches"
             notes.append(
@@ -1285,6 +1327,8 @@ def fmt_table(run: dict, cfg: dict) -> str:
     line("ours vs plain staging", "plain", "speed")
     line("ours vs per-page", "perpage", "speed")
     line("ours / single WRITE", "write", "time")
+    if r.get("b_over_a"):
+        line("variant B (6) / ours (5)", "b_over_a", "time")
     ver = []
     for key in VERIFIED_ROWS:
         row = run.get("rows", {}).get(key)
@@ -1362,7 +1406,7 @@ def main(argv: list[str] | None = None) -> int:
           f"pieces={args.pipeline_pieces or staging_mod.PIPELINE_PIECES}/request "
           f"({args.pipeline_pieces or staging_mod.PIPELINE_PIECES_SAME_DEVICE} on one GPU; min "
           f"{args.min_piece_mib or staging_mod.MIN_PIECE_BYTES[args.mem] // MiB} MiB) "
-          f"verify={args.verify} "
+          f"verify={args.verify} map_units={args.map_units or 'default'} warm_us={args.warm_us:g} "
           f"row_budget={args.row_budget_s:.0f}s budget={args.budget_s:.0f}s", flush=True)
     doc: dict[str, Any] = {"versions": info, "config": cfg, "page_sizes": args.page_size, "runs": []}
     t_start = time.perf_counter()

@@ -21,12 +21,21 @@ run() {  # name, then bench args
     timeout -k 5 "${LIM:-100}" python3 ci/bench_staging.py --mem VRAM --page-size 1 16 \
         --requests "${REQ:-20}" --rows ceiling write ours "$@" >"$OUT/$name.log" 2>&1
     echo "rc=$?"
-    sed -n '/bench_staging summary/,$p' "$OUT/$name.log" | grep -E "^   [125] |== page|verify" |
+    sed -n '/bench_staging summary/,$p' "$OUT/$name.log" | grep -E "^   [1256] |== page|verify|variant B" |
         cut -c1-700 | tee -a "$OUT/sweep.txt"
     rm -f "$OUT/$name.log"
 }
 if [[ ${COSTS:-0} == 1 ]]; then
     timeout 120 python3 ci/gpu_host_costs.py 2>&1 | grep -v NIXL | tee "$OUT/costs.txt"
+fi
+if [[ ${MPS:-0} == 1 ]]; then
+    # Both processes as clients of one MPS server (started here, stopped on exit): their
+    # kernels and copies may then run at the same time instead of taking turns.
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || { echo "MPS server did not start" | tee -a "$OUT/sweep.txt"; exit 1; }
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    echo "=== MPS on" | tee -a "$OUT/sweep.txt"
 fi
 for v in ${VARIANTS:-base}; do
     case $v in
@@ -38,6 +47,21 @@ for v in ${VARIANTS:-base}; do
     spin) run spin --send-gpu 0 --recv-gpu 0 --recv-spin-ms 2 ;;
     two) run two --send-gpu 0 --recv-gpu 1 ;;
     two4) run two4 --send-gpu 0 --recv-gpu 1 --pipeline-pieces 4 ;;
+    map) run map --send-gpu 0 --recv-gpu 0 --map-units on ;;  # indices read in place
+    nomap) run nomap --send-gpu 0 --recv-gpu 0 --map-units off ;;
+    warm) run warm --send-gpu 0 --recv-gpu 0 --warm-us 500 ;;  # a thread not just woken
+    abmap) run abmap --send-gpu 0 --recv-gpu 0 --rows ceiling write ours oursb --b-map-units on ;;
+    ab2) run ab2 --send-gpu 0 --recv-gpu 0 --rows ceiling write ours oursb --slot-mib 512 \
+        --staging-mib 2048 --b-pieces 2 ;;  # A: the default rule, B: 2 pieces
+    ab4) run ab4 --send-gpu 0 --recv-gpu 0 --rows ceiling write ours oursb --b-pieces 4 ;;
+    s512x3) run s512x3 --send-gpu 0 --recv-gpu 0 --slot-mib 512 --staging-mib 2048 --pipeline-pieces 3 ;;
+    full)  # every row (incl. per-page descriptors and plain torch staging), the log kept
+        f=${FULL_NAME:-full}
+        echo "=== full ($f.log)" >>"$OUT/sweep.txt"
+        timeout -k 5 "${FULL_LIM:-330}" python3 ci/bench_staging.py --mem VRAM --page-size 1 16 \
+            --send-gpu 0 --recv-gpu 0 --budget-s "${FULL_BUDGET:-300}" --json "$OUT/$f.json" \
+            >"$OUT/$f.log" 2>&1
+        echo "rc=$?" | tee -a "$OUT/sweep.txt" ;;
     *) echo "unknown variant $v" ;;
     esac
 done

@@ -33,6 +33,17 @@ def _float(name: str, default: float) -> float:
         raise ValueError(f"{var}={raw!r} is not a number") from exc
 
 
+def _flag(name: str, default: bool) -> bool:
+    var, raw = env.lookup(name)
+    if not raw:
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{var}={raw!r}: expected 1 or 0")
+
+
 def read_secret() -> bytes | None:
     """The shared secret from ``SGLANG_NIXL_PLUGIN_SECRET`` or ``..._SECRET_FILE`` (or their
     ``SGL_NIXL_PLUGIN_`` spellings, see ``env``)."""
@@ -60,6 +71,7 @@ class Settings:
     liveness_misses: int = 5
     abort_drain_timeout_s: float = 5.0
     slot_wait_s: float = 2.0  # a chunk waits this long for a receiver slot, then goes direct
+    map_indices: bool = True  # prefill GPU gathers read page indices from pinned host memory
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -84,12 +96,16 @@ class Settings:
             liveness_misses=max(1, _int("LIVENESS_MISSES", 5)),
             abort_drain_timeout_s=_float("ABORT_DRAIN_TIMEOUT", 5.0),
             slot_wait_s=max(0.0, _float("SLOT_WAIT", 2.0)),
+            map_indices=_flag("MAP_INDICES", True),
         )
 
 
 #: Default staging buffer and slot sizes per memory kind: on GPUs 2 GiB in 256 MiB slots (a
-#: 1 GiB request goes in 4-7 pipelined pieces, see ``staging.piece_bytes``; 8 slots serve two
-#: rooms at once), modest ones in host memory.
+#: 1 GiB request goes in ~6 pipelined pieces across GPUs, 4 on one GPU, see
+#: ``staging.piece_bytes``; a room is granted up to 4 slots from when the decode asks for
+#: the request until it ends, so 8 slots let two rooms transfer at once), modest ones in
+#: host memory. Prefill and decode on one GPU without MPS go faster with 512 MiB slots
+#: (2 pieces; docs/benchmarks.md), at the cost of one room at a time.
 STAGING_DEFAULTS = {"VRAM": (2 << 30, 256 << 20), "DRAM": (128 << 20, 16 << 20)}
 
 

@@ -564,3 +564,35 @@ def test_gpu_make_copier_auto_and_alignment_errors(torch_cuda) -> None:
         buf = torch_cuda.zeros(4096, dtype=torch_cuda.uint8, device="cuda")
         with pytest.raises(ValueError, match="multiples of 4"):
             c.gather(np.array([buf.data_ptr()], np.uint64), [0], 64, 64, 2, buf.data_ptr() + 2048)
+
+
+def test_mapped_units_slice_within_their_buffer():
+    from sgl_nixl_plugin.engine.mapped_units import MappedUnits
+
+    m = MappedUnits(object(), 4096, 10, "int64")
+    assert m.shape == (10,) and len(m) == 10 and m.data_ptr() == 4096
+    s = m[2:7]
+    assert s.data_ptr() == 4096 + 16 and s.shape == (5,) and s.dtype == "int64"
+    assert m[8:20].shape == (2,) and m[5:3].shape == (0,)
+    with pytest.raises(ValueError, match="step"):
+        m[::2]
+
+
+def test_host_mapped_indices_stay_off_when_their_self_test_fails(monkeypatch):
+    """``map_units`` turns on only if reading indices from host memory passed its check
+    (run once); otherwise gathers keep uploading them."""
+    from sgl_nixl_plugin.engine.copy_triton import TritonCopier
+
+    copier = TritonCopier.__new__(TritonCopier)  # no GPU here: only the switch is tested
+    copier._map_units, copier._mapped_ok = False, None
+    calls = []
+    monkeypatch.setattr(TritonCopier, "_check_mapped", lambda self: calls.append(1) or False)
+    copier.map_units = True
+    assert copier.map_units is False and calls == [1]
+    copier.map_units = True
+    assert copier.map_units is False and calls == [1]  # checked once
+    copier._mapped_ok = True
+    copier.map_units = True
+    assert copier.map_units is True
+    copier.map_units = False
+    assert copier.map_units is False

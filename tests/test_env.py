@@ -11,7 +11,7 @@ from sgl_nixl_plugin.compat import installed_sglang_version
 from sgl_nixl_plugin.settings import Settings, read_secret
 
 NAMES = ("SECRET", "SECRET_FILE", "TRANSFER_PATH", "SLOT_WAIT", "WORKERS", "STRICT",
-         "SGLANG_VERSION_OVERRIDE", "STAGING_BYTES")
+         "SGLANG_VERSION_OVERRIDE", "STAGING_BYTES", "MAP_INDICES")
 
 
 @pytest.fixture(autouse=True)
@@ -64,3 +64,13 @@ def test_strict_mode_and_version_override_read_both(monkeypatch: pytest.MonkeyPa
     assert strict_mode()
     monkeypatch.setenv("SGLANG_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE", "9.9.9")
     assert installed_sglang_version() == "9.9.9"
+
+
+def test_map_indices_is_a_flag_on_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings.from_env().map_indices is True
+    for raw, want in (("0", False), ("off", False), ("1", True), ("TRUE", True)):
+        monkeypatch.setenv("SGLANG_NIXL_PLUGIN_MAP_INDICES", raw)
+        assert Settings.from_env().map_indices is want
+    monkeypatch.setenv("SGLANG_NIXL_PLUGIN_MAP_INDICES", "maybe")
+    with pytest.raises(ValueError, match="SGLANG_NIXL_PLUGIN_MAP_INDICES='maybe': expected 1 or 0"):
+        Settings.from_env()

@@ -6,6 +6,7 @@ copier, copy streams) where a CUDA device exists; without one the VRAM cases ski
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 
@@ -73,8 +74,9 @@ def test_piece_bytes_pipelines_large_requests_and_respects_slots():
     # both sides on one GPU: fewer, larger pieces (their copies take turns there)
     same = piece_bytes(768 * mib, 512 * mib, "VRAM", same_device=True)
     assert 768 * mib // same == PIPELINE_PIECES_SAME_DEVICE < PIPELINE_PIECES
-    assert len(plan_request(64, 6144, 2048, 256 * mib, "VRAM", same_device=True)) == 4
-    assert len(plan_request(64, 6144, 2048, 256 * mib, "VRAM")) >= PIPELINE_PIECES
+    assert len(plan_request(64, 6144, 2048, 512 * mib, "VRAM", same_device=True)) == 2
+    assert len(plan_request(64, 6144, 2048, 256 * mib, "VRAM", same_device=True)) == 4  # slots
+    assert len(plan_request(64, 6144, 2048, 512 * mib, "VRAM")) >= PIPELINE_PIECES
 
 
 def test_path_rule():
@@ -330,3 +332,89 @@ def test_decode_expands_uploaded_pages_into_units_like_the_sender(upp):
     assert np.array_equal(_expand(torch.from_numpy(pages), upp).numpy(), want)
     if torch.cuda.is_available():  # where the decode's GPU copier keeps them
         assert np.array_equal(_expand(torch.from_numpy(pages).cuda(), upp).cpu().numpy(), want)
+
+
+class _RecordingCopier:
+    """The side's copier, counting what ``StagedSend`` hands back through ``release_units``."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.released = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def release_units(self, units, stream=None) -> None:
+        self.released.append(units)
+        release = getattr(self.inner, "release_units", None)
+        if release is not None:
+            release(units, stream)
+
+
+def test_a_staged_send_gives_its_indices_back_once_done_or_abandoned(pair):
+    a, b, link = pair
+    a.copier = rec = _RecordingCopier(a.copier)
+    src, dst = np.arange(40), np.random.default_rng(9).permutation(P)[:40]
+    job = _send(a, b, link, src, deque(b.staging.acquire(2)))
+    _drive([job], b, {id(job): dst})
+    assert job.done_pieces == len(job.pieces) and len(rec.released) == 1
+    _assert_landed(a, b, [(src, dst)])
+    job2 = _send(a, b, link, src, deque())  # no receiver slot: gathers, never posts
+    job2.step()
+    assert job2._units_dev is not None and len(rec.released) == 1
+    job2.abandon("test")
+    job2.abandon("again")
+    assert len(rec.released) == 2  # once, however often it is abandoned
+    assert a.staging.free == a.staging.num_slots
+
+
+def test_mapped_units_are_read_in_place_byte_exact_and_their_buffers_reused(pair):
+    """With ``map_units`` the Triton gathers of a bound thread (as in a prefill's transfer
+    worker) read the request's indices from pinned host memory: nothing is uploaded, bytes
+    land exactly, and a buffer is reused only after the gathers that read it have run."""
+    a, b, link = pair
+    if a.kind != "VRAM":
+        pytest.skip("mapped indices are a GPU copier feature")
+    if not hasattr(a.copier, "map_units"):
+        pytest.skip("the VRAM copier here is not the Triton one")
+    torch = a.torch
+    a.copier.map_units = True
+    assert a.copier.map_units, "the host-mapped self-test failed on this GPU"
+    a.copier._index._units.clear()
+    a.copier.bind(a.stream)  # this thread now launches on a.stream, like a transfer worker
+    try:
+        rng = np.random.default_rng(11)
+        src, dst = rng.permutation(P)[:48], rng.permutation(P)[:48]
+        job = _send(a, b, link, src, deque(b.staging.acquire(2)))
+        _drive([job], b, {id(job): dst})
+        assert not job.error and job.done_pieces == len(job.pieces)
+        _assert_landed(a, b, [(src, dst)])
+        pool = a.copier._mapped
+        assert pool.in_use == 0 and pool._count == 1
+        assert a.copier._index._units == []  # read in place: no index upload happened
+        dst2 = np.setdiff1d(np.arange(P), dst)  # the 16 pages the first request left alone
+        src2 = rng.permutation(P)[: len(dst2)]
+        job = _send(a, b, link, src2, job.remote_free)  # the receiver slots it handed back
+        _drive([job], b, {id(job): dst2})
+        assert pool._count == 1  # the first request's buffer, reused
+        _assert_landed(a, b, [(src, dst), (src2, dst2)])
+    finally:
+        torch.cuda.set_stream(torch.cuda.default_stream())
+        a.copier.map_units = False
+
+
+def test_a_prefill_sharing_its_gpu_with_the_decode_hints_at_mps_once(monkeypatch, tmp_path, caplog):
+    from sgl_nixl_plugin.adapter import transfer_worker as tw
+
+    monkeypatch.setattr(tw, "_MPS_HINTED", threading.Event())
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "none"))
+    with caplog.at_level("INFO", logger=tw.logger.name):
+        tw._hint_mps(41)
+        tw._hint_mps(42)
+    hints = [r.getMessage() for r in caplog.records if "MPS" in r.getMessage()]
+    assert len(hints) == 1 and "room 41" in hints[0] and "nvidia-cuda-mps-control" in hints[0]
+    monkeypatch.setattr(tw, "_MPS_HINTED", threading.Event())
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))  # a server's pipes are there
+    caplog.clear()
+    with caplog.at_level("INFO", logger=tw.logger.name):
+        tw._hint_mps(43)
+    assert not [r for r in caplog.records if "MPS" in r.getMessage()]

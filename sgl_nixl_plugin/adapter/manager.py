@@ -125,6 +125,8 @@ class NixlPluginKVManager(CommonKVManager):
             from sgl_nixl_plugin.engine.copy_kernels import make_copier
 
             self.copier = make_copier(self.kv_mem_kind, device)
+            if hasattr(self.copier, "map_units"):  # the sender's indices: read in place
+                self.copier.map_units = self.settings.map_indices
             self.staging = StagingBuffer(
                 self.engine.agent, self.staging_bytes, self.slot_bytes, self.kv_mem_kind, device
             )

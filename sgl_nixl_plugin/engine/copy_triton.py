@@ -13,6 +13,7 @@ import numpy as np
 from sgl_nixl_plugin.engine.copy_common import (
     _align_of,
     _as_bases,
+    _as_units,
     _check_geometry,
     _require_torch_cuda,
     _require_triton,
@@ -24,6 +25,7 @@ from sgl_nixl_plugin.engine.copy_device import (
     _DeviceIndex,
     _StreamScope,
 )
+from sgl_nixl_plugin.engine.mapped_units import MappedPool, MappedUnits
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +216,67 @@ class TritonCopier(GpuCopier):
         self._index = _DeviceIndex(torch, self.device)
         self._fast = _FastLaunch(torch)
         self._prepared: dict[tuple[bytes, int], DeviceBases] = {}
+        self._map_units = False
+        self._mapped_ok: bool | None = None  # the self-test's verdict, once run
+        self._mapped = MappedPool(torch)
         _triton_kernel()
+
+    @property
+    def map_units(self) -> bool:
+        """Whether ``prepare_units`` hands out indices in pinned host memory that the
+        kernel reads in place (for a sender, whose indices arrive with each request)
+        instead of uploading them. Turning it on runs a self-test once; if that fails it
+        stays off (logged) and copies stay correct."""
+        return self._map_units
+
+    @map_units.setter
+    def map_units(self, on: bool) -> None:
+        if on and self._mapped_ok is None:
+            self._mapped_ok = self._check_mapped()
+        self._map_units = bool(on) and bool(self._mapped_ok)
+
+    def _check_mapped(self) -> bool:
+        torch = self.torch
+        try:
+            with _StreamScope(torch, self.device, None):
+                g = torch.Generator(device="cpu").manual_seed(1)
+                region = torch.randint(0, 256, (4 * 64,), dtype=torch.uint8, generator=g)
+                region = region.to(self.device)
+                stage = torch.zeros(3 * 64, dtype=torch.uint8, device=self.device)
+                units = self._mapped.take(np.array([3, 0, 2], dtype=np.int64))
+                if units is None:
+                    return False
+                bases = self.prepare_bases(np.array([region.data_ptr()], dtype=np.uint64))
+                self.gather(bases, units, 64, 64, 0, stage.data_ptr())
+                self.release_units(units)
+                want = torch.cat([region[k * 64:(k + 1) * 64] for k in (3, 0, 2)])
+                ok = bool(torch.equal(stage, want))
+                torch.cuda.synchronize(self.device)
+        except Exception as exc:
+            logger.warning("sgl-nixl: gathers cannot read indices from host memory here (%s); "
+                           "they are uploaded first", exc)
+            return False
+        if not ok:
+            logger.warning("sgl-nixl: reading indices from host memory copied wrong bytes in "
+                           "the self-test; they are uploaded first")
+        return ok
+
+    def prepare_units(self, units: Any, stream: Any = None) -> Any:
+        """Unit indices as the kernel reads them: with ``map_units``, in a pinned host
+        buffer (no upload; give it back with ``release_units``), else uploaded."""
+        if self.map_units and not isinstance(units, (self.torch.Tensor, MappedUnits)):
+            mapped = self._mapped.take(_as_units(units))
+            if mapped is not None:
+                return mapped
+        return super().prepare_units(units, stream)
+
+    def release_units(self, units: Any, stream: Any = None) -> None:
+        """Done with ``units`` from ``prepare_units``: a mapped buffer is reused once the
+        work queued on ``stream`` so far (the gathers that read it) has run."""
+        if isinstance(units, MappedUnits):
+            if stream is None:
+                stream = self.torch.cuda.current_stream(self.device)
+            self._mapped.give(units, stream)
 
     def bind(self, stream: Any) -> None:
         """Make ``stream`` (on our device) the calling thread's current one, so that calls
@@ -319,20 +381,25 @@ class TritonCopier(GpuCopier):
         n = int(units.shape[0]) if hasattr(units, "shape") else len(units)
         if n == 0 or len(bases) == 0:
             return
+        mapped = isinstance(units, MappedUnits)
         if (
-            isinstance(bases, DeviceBases) and isinstance(units, self.torch.Tensor)
-            and units.is_cuda and units.dim() == 1 and self._is_current(stream)
+            isinstance(bases, DeviceBases) and self._is_current(stream) and (mapped or (
+                isinstance(units, self.torch.Tensor) and units.is_cuda and units.dim() == 1))
         ):
             # the per-piece path: everything already on the GPU, on the right stream
             align = _align_of(bases.bits, unit_len, stride, offset, stage)
             if align >= 4:
                 launch_unit_copy(
-                    gather, bases.aligned(), _aligned_units(units), n, unit_len, stride,
-                    offset, stage, align, self.tile_bytes, self.num_warps, self._fast,
+                    gather, bases.aligned(), units if mapped else _aligned_units(units), n,
+                    unit_len, stride, offset, stage, align, self.tile_bytes, self.num_warps,
+                    self._fast,
                 )
                 return
         if isinstance(bases, DeviceBases):
             bases = bases.tensor.cpu().numpy().view(np.uint64)  # rare: another thread/stream
+        if mapped:
+            units = np.ctypeslib.as_array(  # its host view: uploaded like any numpy array
+                (np.ctypeslib.ctypes.c_int64 * n).from_address(units.data_ptr()))
         with _StreamScope(self.torch, self.device, stream) as s:
             bases_t, acc = self._index.bases(bases, s)
             align = _align_of(acc, unit_len, stride, offset, stage)
