@@ -72,6 +72,7 @@ class Settings:
     abort_drain_timeout_s: float = 5.0
     slot_wait_s: float = 2.0  # a chunk waits this long for a receiver slot, then goes direct
     map_indices: bool = True  # prefill GPU gathers read page indices from pinned host memory
+    slot_returns: bool = True  # offer SlotReturn / SlotRecall to peers (0.3.0 behaviour: off)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -97,14 +98,14 @@ class Settings:
             abort_drain_timeout_s=_float("ABORT_DRAIN_TIMEOUT", 5.0),
             slot_wait_s=max(0.0, _float("SLOT_WAIT", 2.0)),
             map_indices=_flag("MAP_INDICES", True),
+            slot_returns=_flag("SLOT_RETURNS", True),
         )
 
 
 #: Default staging buffer and slot sizes per memory kind: on GPUs 2 GiB in 256 MiB slots (a
 #: 1 GiB request goes in ~6 pipelined pieces across GPUs, 4 on one GPU, see
-#: ``staging.piece_bytes``; a room is granted up to 4 slots from when the decode asks for
-#: the request until it ends, so 8 slots let two rooms transfer at once), modest ones in
-#: host memory. Prefill and decode on one GPU without MPS go faster with 512 MiB slots
+#: ``staging.piece_bytes``; a room transferring holds up to 4 slots, so 8 slots let two
+#: rooms transfer at once), modest ones in host memory. Prefill and decode on one GPU without MPS go faster with 512 MiB slots
 #: (2 pieces; docs/benchmarks.md), at the cost of one room at a time.
 STAGING_DEFAULTS = {"VRAM": (2 << 30, 256 << 20), "DRAM": (128 << 20, 16 << 20)}
 

@@ -81,14 +81,17 @@ def test_pd_two_prefill_instances_one_decode() -> None:
     assert {k[0] for k, r in res.prefill.items() if r["results"]} == {0, 1}
 
 
-@pytest.mark.parametrize("slot_wait", ["5", "0.05", "0"])
-def test_pd_rooms_wait_for_receiver_staging_slots(slot_wait: str) -> None:
+@pytest.mark.parametrize("slot_wait,returns", [("5", "1"), ("0.05", "1"), ("0", "1"), ("5", "0")])
+def test_pd_rooms_wait_for_receiver_staging_slots(slot_wait: str, returns: str) -> None:
     """The decode's staging holds one room's slots: the other rooms ask and are granted
     slots as rooms end, oldest first (SlotAsk / SlotGrant), every byte lands, and nothing
     is left queued. With a short ``SLOT_WAIT`` chunks that find no slot in time go direct
     while other chunks of their rooms are staged (the grants they get later are returned
-    when the room ends); either way every byte lands and no room reports Success early."""
+    when the room ends); either way every byte lands and no room reports Success early.
+    ``returns=0`` is how 0.3.0 peers behave (no SlotReturn / SlotRecall; asks at the
+    request): still every byte lands."""
     env = {
+        "SGLANG_NIXL_PLUGIN_SLOT_RETURNS": returns,
         "SGL_NIXL_PLUGIN_TRANSFER_PATH": "staging",
         "SGL_NIXL_PLUGIN_STAGING_BYTES": str(64 << 10),  # 4 slots: one room's worth
         "SGL_NIXL_PLUGIN_STAGING_PIECE_BYTES": str(16 << 10),
@@ -104,6 +107,8 @@ def test_pd_rooms_wait_for_receiver_staging_slots(slot_wait: str) -> None:
     assert decode["count.staging.prepared"] > 0 and decode["count.staging.late_uploads"] == 0
     if slot_wait == "5":
         assert decode["count.staging.late_grants"] >= decode["count.staging.asks"], decode
+    if returns == "0":
+        assert decode["count.staging.returned"] == decode["count.staging.recalls"] == 0, decode
 
 
 def test_pd_tp_mismatch_senders_share_a_rooms_slots() -> None:
@@ -122,3 +127,47 @@ def test_pd_tp_mismatch_senders_share_a_rooms_slots() -> None:
     decode = res.decode[(0, 0)]["tables"]
     assert decode["count.staging.asks"] == 0, decode
     assert decode["count.staging.prepared"] > 0 and decode["count.staging.late_uploads"] == 0
+
+
+def test_pd_chunked_rooms_give_slots_back_between_chunks() -> None:
+    """A room holds receiver slots only while a chunk uses them: between the chunks of a
+    chunked prefill (30 ms apart here, like forward passes) its prefill gives them back
+    once every piece there was scattered (SlotReturn) and asks again for the next chunk,
+    so the rooms share one room's worth of slots chunk by chunk instead of waiting for
+    whole rooms. Every byte lands; nothing stays held, busy or queued."""
+    env = {
+        "SGLANG_NIXL_PLUGIN_TRANSFER_PATH": "staging",
+        "SGLANG_NIXL_PLUGIN_STAGING_BYTES": str(64 << 10),  # 4 slots: one room's worth
+        "SGLANG_NIXL_PLUGIN_STAGING_PIECE_BYTES": str(16 << 10),
+        "SGLANG_NIXL_PLUGIN_SLOT_WAIT": "10",  # each chunk waits its turn
+    }
+    w = workload("tiny", 16, requests=8, concurrency=4, min_tokens=96, max_tokens=160,
+                 chunks=(3,), chunk_gap_ms=30)
+    res = run_pd(w, env=env)
+    assert_clean(res)
+    decode = res.decode[(0, 0)]["tables"]
+    assert decode["count.staging.returned"] > 0, decode
+    assert decode["staging.waiting"] == decode["staging.busy"] == 0, decode
+
+
+def test_pd_slots_granted_to_a_room_not_ready_are_recalled_for_one_that_is() -> None:
+    """The decode grants slots when it asks for a room, but that room's prefill may be ready
+    late (here every other room waits 400 ms, like a later forward pass). A room that is
+    ready and finds none makes the decode recall the idle holder's slots (SlotRecall); its
+    prefill gives back what no chunk uses (SlotReturn) and asks again when ready. So no
+    chunk waits out SLOT_WAIT (0.25 s here) and goes direct, and every byte lands."""
+    env = {
+        "SGLANG_NIXL_PLUGIN_TRANSFER_PATH": "staging",
+        "SGLANG_NIXL_PLUGIN_STAGING_BYTES": str(64 << 10),  # 4 slots: one room's worth
+        "SGLANG_NIXL_PLUGIN_STAGING_PIECE_BYTES": str(16 << 10),
+        "SGLANG_NIXL_PLUGIN_SLOT_WAIT": "0.25",
+    }
+    w = workload("tiny", 16, requests=6, concurrency=6, min_tokens=96, max_tokens=160,
+                 chunks=(1,), send_delays_ms=(400.0, 0.0))
+    res = run_pd(w, env=env)
+    assert_clean(res)
+    decode = res.decode[(0, 0)]["tables"]
+    prefill = res.prefill[(0, 0)]["tables"]
+    assert decode["count.staging.recalls"] > 0 and decode["count.staging.returned"] > 0, decode
+    assert prefill["count.staging.fell_back"] == 0, prefill
+    assert decode["staging.recalled"] == decode["staging.waiting"] == 0, decode

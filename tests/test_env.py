@@ -11,7 +11,7 @@ from sgl_nixl_plugin.compat import installed_sglang_version
 from sgl_nixl_plugin.settings import Settings, read_secret
 
 NAMES = ("SECRET", "SECRET_FILE", "TRANSFER_PATH", "SLOT_WAIT", "WORKERS", "STRICT",
-         "SGLANG_VERSION_OVERRIDE", "STAGING_BYTES", "MAP_INDICES")
+         "SGLANG_VERSION_OVERRIDE", "STAGING_BYTES", "MAP_INDICES", "SLOT_RETURNS")
 
 
 @pytest.fixture(autouse=True)

@@ -64,6 +64,8 @@ from sgl_nixl_plugin.wire.messages import (
     RegistrationReply,
     SlotAsk,
     SlotGrant,
+    SlotRecall,
+    SlotReturn,
     TransferRequest,
     TransferStatus,
 )
@@ -800,6 +802,10 @@ def _attack(live: LiveSession, boot: GatedBootstrap, fake: FakeDecode, w: Worklo
     fake.send(prefill_ep, PieceDone(shared.room, fake.name, 3))  # granted, but not in use
     fake.send(prefill_ep, SlotGrant(shared.room, fake.name, 4))  # granted already
     fake.send(prefill_ep, SlotGrant(4242 + 9, fake.name, 1))  # a room it has not: ignored
+    # recalls: one for a room it has not, one for the fake's room (its staging takes no
+    # returns): neither gives anything back
+    fake.send(prefill_ep, SlotRecall(4242 + 10, fake.name))
+    fake.send(prefill_ep, SlotRecall(shared.room, fake.name))
 
     # Out-of-range destinations for a room the real decode fetches later: refused, never stored.
     target = reqs[1]
@@ -859,6 +865,8 @@ def _attack(live: LiveSession, boot: GatedBootstrap, fake: FakeDecode, w: Worklo
     fake.send(decode_ep, forged_piece)
     # a slot ask for a room this decode does not stage, from a rank that does not serve it
     fake.send(decode_ep, SlotAsk(ghost_room + 9, fake.name, fake.endpoint[0], fake.port))
+    # slots given back for a room this decode does not stage: refused, nothing freed
+    fake.send(decode_ep, SlotReturn(ghost_room + 11, fake.name, fake.endpoint[0], fake.port, [0, 1]))
     deadline = time.monotonic() + 8.0
     for i in range(900):
         if time.monotonic() > deadline:
@@ -952,7 +960,9 @@ def test_decode_drops_forged_statuses_and_pieces(hostile: HostileRun) -> None:
     counts = rejected_counts(hostile.metrics)
     assert counts["bad_piece"] == 1, counts
     assert counts["bad_ask"] == 1, counts  # and no slot was granted for it
+    assert counts["bad_return"] == 1, counts
     assert not [m for m in hostile.fake.received if isinstance(m, SlotGrant)]
+    assert not [m for m in hostile.fake.received if isinstance(m, SlotReturn)]  # recalls: none
     assert hostile.piece_done_after_forgery == []  # nothing was scattered
     assert not [m for m in hostile.fake.received if isinstance(m, PieceDone)]
     m = re.search(r"dropped control message from 127\.0\.0\.1:\d+: bad_piece \(room (\d+): ([^)]*)\)", hostile.log)

@@ -418,3 +418,78 @@ def test_a_prefill_sharing_its_gpu_with_the_decode_hints_at_mps_once(monkeypatch
     with caplog.at_level("INFO", logger=tw.logger.name):
         tw._hint_mps(43)
     assert not [r for r in caplog.records if "MPS" in r.getMessage()]
+
+
+class _Rejections:
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    def reject(self, reason: str, *details: object) -> None:
+        self.reasons.append(reason)
+
+
+def _decode_staging(sent: list):
+    """A decode's DecodeStaging over 4 DRAM slots, with a manager that records what it sends
+    (its threads are not started: grants, asks, returns and recalls run on the caller)."""
+    from types import SimpleNamespace
+
+    from sgl_nixl_plugin.adapter.decode_staging import DecodeStaging
+
+    class _Agent:
+        def register(self, regions):
+            pass
+
+    kv = SimpleNamespace(ptrs=[1 << 20], lens=[1 << 20])
+    mgr = SimpleNamespace(
+        engine=SimpleNamespace(agent=_Agent(), memory=SimpleNamespace(kv=kv), name="decode"),
+        staging_bytes=4096, slot_bytes=1024, kv_mem_kind="DRAM",
+        room_endpoints={7: {("127.0.0.1", 5)}, 8: {("127.0.0.1", 6)}},
+        codec=SimpleNamespace(rejections=_Rejections()),
+        settings=SimpleNamespace(abort_drain_timeout_s=5.0),
+        required_prefill_response_num_table={},
+        send_to=lambda ep, msg: sent.append((ep, msg)),
+    )
+    return DecodeStaging(mgr, 0), mgr
+
+
+def test_a_decode_takes_back_only_scattered_slots_of_the_room_from_its_sender():
+    from sgl_nixl_plugin.wire.messages import SlotAsk, SlotGrant, SlotRecall, SlotReturn
+
+    sent: list = []
+    st, mgr = _decode_staging(sent)
+    slots = st.grant(7, np.arange(4))
+    assert len(slots) == 4 and st.buffer.free == 0
+    st._busy.add(slots[0])  # a piece there is not scattered yet
+    st.take_back(SlotReturn(7, "p", "127.0.0.1", 5, slots))
+    st.take_back(SlotReturn(7, "p", "127.0.0.1", 9, slots[1:]))  # not the room's sender
+    st.take_back(SlotReturn(8, "p", "127.0.0.1", 6, slots[1:]))  # not that room's slots
+    assert mgr.codec.rejections.reasons == ["bad_return"] * 3
+    assert st.buffer.free == 0 and st.returned == 0
+    # room 8 waits for slots: room 7 holds some with a piece in flight, so no recall yet
+    st.returners.add(("127.0.0.1", 5))
+    st.grant(8, np.arange(4))
+    st.ask(SlotAsk(8, "p", "127.0.0.1", 6))
+    assert st.waiting == 1 and not [m for _, m in sent if isinstance(m, SlotRecall)]
+    st._busy.clear()  # its PieceDone went out
+    st.ask(SlotAsk(8, "p", "127.0.0.1", 6))  # asked again (a repeat is not queued twice)
+    recalls = [(ep, m) for ep, m in sent if isinstance(m, SlotRecall)]
+    assert recalls == [(("127.0.0.1", 5), SlotRecall(7, "decode"))] and st.recalls == 1
+    st.take_back(SlotReturn(7, "p", "127.0.0.1", 5, slots))  # the prefill gives them back
+    grants = [m for ep, m in sent if isinstance(m, SlotGrant) and ep == ("127.0.0.1", 6)]
+    assert sorted(g.slot for g in grants) == sorted(slots) and st.waiting == 0
+    assert st.returned == 4 and st.room_slots[7] == [] and st.is_staged(7)
+    st.room_done(7, ok=True)
+    st.room_done(8, ok=True)
+    assert st.buffer.free == 4 and not st.is_staged(7) and not st._recalled
+
+
+def test_slot_credits_give_everything_back_only_when_every_slot_is_free():
+    credits = SlotCredits([3, 4], returnable=True)
+    slot = credits.popleft()  # a piece goes into slot 3
+    seq = credits.issue(slot)
+    assert credits.take_all() == []  # slot 3 still holds an unscattered piece
+    assert credits.give_back(3, seq) == ""
+    assert credits.grant(5) == "" and credits.grant(5) == "slot 5 was already granted"
+    assert credits.take_all() == [3, 4, 5]
+    assert not credits and not credits.granted and credits.take_all() == []
+    assert "never granted" in credits.give_back(3, seq)  # a late or replayed credit

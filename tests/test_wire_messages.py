@@ -47,6 +47,8 @@ from sgl_nixl_plugin.wire.messages import (
     RegistrationReply,
     SlotAsk,
     SlotGrant,
+    SlotRecall,
+    SlotReturn,
     StagingArea,
     TransferRequest,
     TransferStatus,
@@ -98,7 +100,8 @@ compats = st.builds(
     is_mla=st.booleans(),
 )
 stagings = st.none() | st.builds(
-    StagingArea, region=regions, slot_bytes=positive, device_uuid=st.text(max_size=64)
+    StagingArea, region=regions, slot_bytes=positive, device_uuid=st.text(max_size=64),
+    returns=st.booleans(),
 )
 
 peer_registrations = st.builds(
@@ -126,6 +129,7 @@ registration_replies = st.builds(
     ip=names,
     port=ports,
     retry=st.booleans(),
+    returns=st.booleans(),
 )
 transfer_statuses = st.builds(
     TransferStatus,
@@ -147,6 +151,9 @@ piece_readies = st.builds(
 piece_dones = st.builds(PieceDone, room=rooms, agent_name=names, slot=nonneg, seq=nonneg)
 slot_asks = st.builds(SlotAsk, room=rooms, agent_name=names, ip=names, port=ports)
 slot_grants = st.builds(SlotGrant, room=rooms, agent_name=names, slot=nonneg)
+slot_returns = st.builds(SlotReturn, room=rooms, agent_name=names, ip=names, port=ports,
+                         slots=st.lists(nonneg, max_size=64))
+slot_recalls = st.builds(SlotRecall, room=rooms, agent_name=names)
 
 
 @st.composite
@@ -203,6 +210,8 @@ messages_with_arrays = st.one_of(
         piece_dones,
         slot_asks,
         slot_grants,
+        slot_returns,
+        slot_recalls,
     ).map(lambda m: (m, [])),
 )
 
@@ -221,6 +230,8 @@ def test_strategies_cover_the_whole_union():
         PieceDone,
         SlotAsk,
         SlotGrant,
+        SlotReturn,
+        SlotRecall,
     }
     assert covered == set(MESSAGE_TYPES)
 
@@ -767,4 +778,30 @@ def test_staging_area_device_uuid_is_optional_both_ways():
         msgspec.msgpack.decode(
             msgspec.msgpack.encode({"region": region, "slot_bytes": 1, "device_uuid": "x" * 65}),
             type=StagingArea,
+        )
+
+
+def test_slot_return_capabilities_are_optional_both_ways():
+    """0.3.0 peers neither send nor read ``StagingArea.returns`` / ``RegistrationReply.returns``
+    (read as False: no SlotReturn to that decode, no SlotRecall to that prefill), so the
+    fields come without a protocol version bump; the new messages are bounded."""
+    region = Region(ptr=1 << 20, length=1 << 30, item_len=1 << 28, device=0, mem_kind="VRAM")
+    old_area = msgspec.msgpack.encode({"region": region, "slot_bytes": 1 << 28, "device_uuid": "u"})
+    assert msgspec.msgpack.decode(old_area, type=StagingArea).returns is False
+    old_reply = msgspec.msgpack.encode(
+        {"type": "reg_reply", "agent_name": "p", "prefill_rank": 0, "accepted": True})
+    assert msgspec.msgpack.decode(old_reply, type=RegistrationReply).returns is False
+
+    class StagingArea030(msgspec.Struct, frozen=True):  # the 0.3.0 schema
+        region: Region
+        slot_bytes: int
+        device_uuid: str = ""
+
+    view = msgspec.msgpack.decode(
+        msgspec.msgpack.encode(StagingArea(region, 1 << 28, "u", returns=True)), type=StagingArea030)
+    assert view.device_uuid == "u"
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(
+            msgspec.msgpack.encode(SlotReturn(1, "p", "127.0.0.1", 5, list(range(65)))),
+            type=SlotReturn,
         )

@@ -18,6 +18,7 @@ from sgl_nixl_plugin.wire.messages import (
     Pong,
     RegistrationReply,
     SlotAsk,
+    SlotReturn,
     TransferStatus,
 )
 
@@ -76,6 +77,11 @@ class DecodeListener(ControlLoop):
                 mgr.codec.rejections.reject("unexpected", "SlotAsk without staging")
             else:
                 mgr.staging.ask(msg)
+        elif isinstance(msg, SlotReturn):
+            if mgr.staging is None:
+                mgr.codec.rejections.reject("unexpected", "SlotReturn without staging")
+            else:
+                mgr.staging.take_back(msg)
         elif isinstance(msg, Pong):
             self.watch.replied((msg.ip, msg.port))
         elif isinstance(msg, AbortAck):
@@ -91,6 +97,8 @@ class DecodeListener(ControlLoop):
                 mgr.forget_endpoint((msg.ip, msg.port))  # it lost our registration: send it again
             elif not msg.accepted:
                 mgr.on_refused((msg.ip, msg.port), msg.reason)
+            elif msg.returns and mgr.staging is not None:
+                mgr.staging.returners.add((msg.ip, msg.port))
         elif isinstance(msg, Ping):
             mgr.send_to((msg.ip, msg.port), Pong(mgr.engine.name, msg.seq, mgr.local_ip, mgr.rank_port))
         else:

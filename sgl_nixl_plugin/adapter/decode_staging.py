@@ -28,6 +28,8 @@ from sgl_nixl_plugin.wire.messages import (
     Region,
     SlotAsk,
     SlotGrant,
+    SlotRecall,
+    SlotReturn,
     StagingArea,
     TransferStatus,
 )
@@ -45,10 +47,11 @@ SLOTS_PER_ROOM = 4
 def slots_per_sender(senders: int) -> int:
     """A room's slots, shared by the prefill ranks that send to it (TP mismatch: several).
 
-    Slots come back when the room ends, and it ends only once every sender is done: giving
-    each of k senders the whole SLOTS_PER_ROOM would let the first two of four fill the
-    pool while the others wait for slots only the room's end frees (then go direct after
-    SGLANG_NIXL_PLUGIN_SLOT_WAIT). One slot a sender still moves its bytes, one piece at a time.
+    Slots come back when the room ends (or between chunks, ``SlotReturn``), not when one
+    sender's chunk is done while the others still send: giving each of k senders the whole
+    SLOTS_PER_ROOM would let the first two of four fill the pool while the others wait
+    (then go direct after SGLANG_NIXL_PLUGIN_SLOT_WAIT). One slot a sender still moves its
+    bytes, one piece at a time.
     """
     return max(1, SLOTS_PER_ROOM // max(1, senders))
 
@@ -94,6 +97,12 @@ class DecodeStaging:
         self._asks: deque[tuple[int, tuple[str, int]]] = deque()
         self.asks = 0  # senders that had to wait for a slot (counted, for metrics and tests)
         self.late_grants = 0  # slots granted to them later
+        self.returned = 0  # slots senders gave back before their room ended (SlotReturn)
+        self._busy: set[int] = set()  # slots holding a piece not yet scattered and credited
+        self._returned_rooms: set[int] = set()  # rooms that gave slots back mid-room
+        self.returners: set[tuple[str, int]] = set()  # prefill endpoints that take SlotRecall
+        self._recalled: set[int] = set()  # rooms asked to give their slots back (once each)
+        self.recalls = 0
         self.prepared = 0  # rooms whose page indices were uploaded before their first piece
         self.late_uploads = 0  # chunks whose indices had to be uploaded at their first piece
         self._lock = threading.Lock()
@@ -128,7 +137,8 @@ class DecodeStaging:
     def area(self) -> StagingArea:
         b = self.buffer
         region = Region(b.ptr, b.nbytes, b.slot_bytes, b.device, b.mem_kind)
-        return StagingArea(region, b.slot_bytes, b.device_uuid)
+        return StagingArea(region, b.slot_bytes, b.device_uuid,
+                           returns=self.mgr.settings.slot_returns)
 
     # -- grants ---------------------------------------------------------------------------
     def grant(self, room: int, pages: np.ndarray) -> list[int]:
@@ -155,6 +165,52 @@ class DecodeStaging:
                 self.asks += 1
         if not known:
             self.mgr.codec.rejections.reject("bad_ask", f"room {m.room} from {ep[0]}:{ep[1]}")
+            return
+        self.serve()
+        self._recall_idle()
+
+    def _recall_idle(self) -> None:
+        """Senders still wait: ask rooms whose slots hold no piece (granted before their
+        prefill was ready, or between chunks) to give them back. Each room once until it
+        returns or ends; the prefill keeps slots a chunk is using."""
+        recalls: list[tuple[tuple[str, int], SlotRecall]] = []
+        with self._lock:
+            if not self._asks:
+                return
+            waiting = {r for r, _ in self._asks}
+            for room, slots in self.room_slots.items():
+                if not slots or room in waiting or room in self._recalled:
+                    continue
+                if self._busy.intersection(slots):
+                    continue
+                eps = [e for e in self.mgr.room_endpoints.get(room, ()) if e in self.returners]
+                if eps:
+                    self._recalled.add(room)
+                    recalls += [(e, SlotRecall(room, self.mgr.engine.name)) for e in eps]
+            self.recalls += len(recalls)
+        for ep, msg in recalls:
+            self.mgr.send_to(ep, msg)
+
+    def take_back(self, m: SlotReturn) -> None:
+        """A sender of ``m.room`` is done with ``m.slots`` for now: free them for the rooms
+        that wait. Only slots the room holds and whose last piece was scattered and credited
+        (a slot still busy could be overwritten by its next holder mid-scatter)."""
+        ep = (m.ip, m.port)
+        with self._lock:
+            held = self.room_slots.get(m.room)
+            known = held is not None and ep in self.mgr.room_endpoints.get(m.room, ())
+            bad = [s for s in m.slots if not known or s not in held or s in self._busy]
+            if not bad:
+                for s in m.slots:
+                    held.remove(s)
+                self.buffer.release(list(m.slots))
+                self.returned += len(m.slots)
+                self._returned_rooms.add(m.room)
+                self._recalled.discard(m.room)
+        if bad:
+            self.mgr.codec.rejections.reject(
+                "bad_return", f"room {m.room} slots {bad} from {ep[0]}:{ep[1]}"
+            )
             return
         self.serve()
 
@@ -193,6 +249,9 @@ class DecodeStaging:
         """Return the room's slots; after a failure, only once late writes can't land."""
         with self._lock:
             slots = self.room_slots.pop(room, [])
+            self._busy.difference_update(slots)
+            self._returned_rooms.discard(room)
+            self._recalled.discard(room)
             self.room_pages.pop(room, None)
             for key in [k for k in self._room_units if k[0] == room]:
                 del self._room_units[key]
@@ -207,8 +266,10 @@ class DecodeStaging:
         self.serve()
 
     def is_staged(self, room: int) -> bool:
+        """Whether the room's statuses must queue behind its scatters (it holds slots, or
+        held some and gave them back between chunks)."""
         with self._lock:
-            return bool(self.room_slots.get(room))
+            return bool(self.room_slots.get(room)) or room in self._returned_rooms
 
     # -- the scatter thread -------------------------------------------------------------
     def submit(self, msg: PieceReady | TransferStatus | AbortAck | _Prepare) -> None:
@@ -242,6 +303,8 @@ class DecodeStaging:
             for item in self.scatters.wait(timeout=0.1 if self._asks else 0.5):
                 try:
                     if isinstance(item, PieceReady):
+                        with self._lock:
+                            self._busy.discard(item.slot)
                         mgr.send_to(
                             (item.ip, item.port),
                             PieceDone(item.room, mgr.engine.name, item.slot, item.seq),
@@ -304,6 +367,8 @@ class DecodeStaging:
                 mgr.update_status(m.room, 0)
             return
         assert pages is not None  # _validate said so
+        with self._lock:
+            self._busy.add(m.slot)  # until its PieceDone goes out (``_complete``)
         units = self._units_of(m, pages)
         assert self.scatters is not None
         self.scatters.launch(

@@ -95,6 +95,7 @@ class NixlPluginKVManager(CommonKVManager):
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.room_seen: dict[int, float] = {}
             self.remote_free: dict[int, dict[str, Any]] = {}
+            self.staged_fallbacks = 0  # staged chunks sent direct: no receiver slot in time
             if staging_on:
                 self._start_prefill_staging(device)
             self.control = PrefillControl(self)

@@ -38,6 +38,7 @@ from sgl_nixl_plugin.wire.messages import (
     RegistrationReply,
     SlotAsk,
     SlotGrant,
+    SlotRecall,
     TransferRequest,
     TransferStatus,
 )
@@ -126,14 +127,15 @@ class PrefillControl(ControlLoop):
             free = self.mgr.remote_free.get(msg.room, {}).get(msg.agent_name)
             if free is None:
                 return  # the room ended here: the decode takes the slot back at its end
-            if msg.slot in free.granted:
-                self.mgr.codec.rejections.reject(
-                    "bad_credit", f"room {msg.room} slot {msg.slot} was already granted"
-                )
+            problem = free.grant(msg.slot)
+            if problem:
+                self.mgr.codec.rejections.reject("bad_credit", f"room {msg.room} {problem}")
             else:
-                free.granted.add(msg.slot)
-                free.append(msg.slot)
                 self.mgr.wake_worker(msg.room)
+        elif isinstance(msg, SlotRecall):
+            free = self.mgr.remote_free.get(msg.room, {}).get(msg.agent_name)
+            if free is not None and free.returnable:  # else: ended, or nothing to give
+                self.mgr.workers[msg.room % len(self.mgr.workers)].recall(msg.room)
         elif isinstance(msg, Abort):
             self.on_abort(msg)
         elif isinstance(msg, Ping):
@@ -159,7 +161,8 @@ class PrefillControl(ControlLoop):
             known.last_seen = time.monotonic()
             mgr.send_to(
                 endpoint,
-                RegistrationReply(reg.agent_name, mgr.prefill_rank_id, True, "", mgr.local_ip, mgr.rank_port),
+                RegistrationReply(reg.agent_name, mgr.prefill_rank_id, True, "", mgr.local_ip,
+                                  mgr.rank_port, returns=mgr.settings.slot_returns),
             )
             return
         if known is not None:
@@ -208,7 +211,8 @@ class PrefillControl(ControlLoop):
                 if reg.staging is not None:
                     r = reg.staging.region
                     staging = RemoteStaging(
-                        r.ptr, reg.staging.slot_bytes, r.device, r.mem_kind, reg.staging.device_uuid
+                        r.ptr, reg.staging.slot_bytes, r.device, r.mem_kind,
+                        reg.staging.device_uuid, reg.staging.returns,
                     )
                 self.peers[reg.agent_name] = DecodePeer(reg.agent_name, link, reg, endpoint, staging=staging)
                 self.refused.pop(reg.agent_name, None)
@@ -224,7 +228,8 @@ class PrefillControl(ControlLoop):
         mgr.send_to(
             endpoint,
             RegistrationReply(
-                reg.agent_name, mgr.prefill_rank_id, not reason, reason, mgr.local_ip, mgr.rank_port
+                reg.agent_name, mgr.prefill_rank_id, not reason, reason, mgr.local_ip,
+                mgr.rank_port, returns=not reason and mgr.settings.slot_returns,
             ),
         )
 
@@ -298,8 +303,13 @@ class PrefillControl(ControlLoop):
         )
         mgr.room_seen[room] = time.monotonic()
         if (req.staging_slots or req.staging_wait) and not req.is_dummy:
-            mgr.remote_free.setdefault(room, {})[req.agent_name] = SlotCredits(req.staging_slots)
-            if not req.staging_slots:  # the decode had none free: wait in its queue
+            credits = SlotCredits(req.staging_slots, returnable=bool(
+                peer.staging and peer.staging.returns and mgr.settings.slot_returns))
+            mgr.remote_free.setdefault(room, {})[req.agent_name] = credits
+            if not req.staging_slots and not credits.returnable:
+                # the decode had none free: wait in its queue (a decode that takes slots
+                # back is asked when the first chunk is ready instead, see TransferWorker)
+                credits.asked = True
                 mgr.send_to((req.ip, req.port),
                             SlotAsk(room, mgr.engine.name, mgr.local_ip, mgr.rank_port))
         if req.decode_prefix_len:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -96,13 +97,22 @@ class StagedJob:
 class SlotCredits(deque):
     """Receiver staging slots this room may write now; ``granted`` (what the decode gave
     this sender, at the request or later by SlotGrant) bounds what credits accept, and
-    ``in_use`` the sequence number of each slot's current piece (see ``PieceDone.seq``)."""
+    ``in_use`` the sequence number of each slot's current piece (see ``PieceDone.seq``).
 
-    def __init__(self, slots: list[int]) -> None:
+    With a decode that takes slots back (``returnable``), the transfer worker returns them
+    all once every piece written there was credited and no chunk uses them (``take_all``),
+    and asks again (``asked``) for its next chunk. The control thread adds credits
+    (``give_back``, ``grant``), the worker takes them; the lock keeps ``take_all`` whole."""
+
+    def __init__(self, slots: list[int], returnable: bool = False) -> None:
         super().__init__(slots)
         self.granted = set(slots)
         self.in_use: dict[int, int] = {}
+        self.returnable = returnable
+        self.asked = False  # a SlotAsk is out and not yet answered by a grant
+        self.since = time.monotonic()  # when they were last granted or credited
         self._seq = 0
+        self._lock = threading.Lock()
 
     def issue(self, slot: int) -> int:
         """The sequence number of the piece just told to the decode in ``slot``."""
@@ -112,12 +122,37 @@ class SlotCredits(deque):
 
     def give_back(self, slot: int, seq: int) -> str:
         """Take ``slot`` back from a PieceDone; returns why not ('' when taken)."""
-        if slot not in self.granted:
-            return f"slot {slot} was never granted"
-        if slot in self:  # a repeated credit would let two pieces share the slot
-            return f"slot {slot} is already free"
-        if seq and self.in_use.get(slot) != seq:
-            return f"slot {slot}: piece {seq} is not the one in it (replayed?)"
-        self.in_use.pop(slot, None)
-        self.append(slot)
-        return ""
+        with self._lock:
+            if slot not in self.granted:
+                return f"slot {slot} was never granted"
+            if slot in self:  # a repeated credit would let two pieces share the slot
+                return f"slot {slot} is already free"
+            if seq and self.in_use.get(slot) != seq:
+                return f"slot {slot}: piece {seq} is not the one in it (replayed?)"
+            self.in_use.pop(slot, None)
+            self.append(slot)
+            self.since = time.monotonic()
+            return ""
+
+    def grant(self, slot: int) -> str:
+        """A SlotGrant: ``slot`` is ours; returns why not ('' when taken)."""
+        with self._lock:
+            if slot in self.granted:
+                return f"slot {slot} was already granted"
+            self.granted.add(slot)
+            self.append(slot)
+            self.asked = False
+            self.since = time.monotonic()
+            return ""
+
+    def take_all(self) -> list[int]:
+        """Every granted slot, if all are free (no piece unscattered in any); they are no
+        longer ours. Empty when some slot is still in use or none is granted."""
+        with self._lock:
+            if not self.granted or len(self) != len(self.granted):
+                return []
+            slots = sorted(self.granted)
+            self.clear()
+            self.granted.clear()
+            self.in_use.clear()
+            return slots

@@ -38,6 +38,8 @@ from sgl_nixl_plugin.engine.staging import (
 )
 from sgl_nixl_plugin.wire.messages import (
     PieceReady,
+    SlotAsk,
+    SlotReturn,
 )
 
 if TYPE_CHECKING:
@@ -91,6 +93,8 @@ class TransferWorker:
         self._backoff = self.MIN_BACKOFF_S
         self._stop = threading.Event()
         self._last_sweep = time.monotonic()
+        self._recalls: set[int] = set()  # rooms whose decode asked for their slots back
+        self._recall_lock = threading.Lock()
         self.thread = threading.Thread(
             target=self._run, name=f"sgl-nixl-xfer-{index}", daemon=True
         )
@@ -104,6 +108,14 @@ class TransferWorker:
 
     def wake(self) -> None:
         """A receiver slot came back for one of our rooms: step its staged job now."""
+        self.queue.put(_WAKE)
+
+    def recall(self, room: int) -> None:
+        """The decode of ``room`` asks for its idle slots (SlotRecall): handled on this
+        thread, the only one that starts staged jobs, so a slot is never returned while a
+        job is about to write it."""
+        with self._recall_lock:
+            self._recalls.add(room)
         self.queue.put(_WAKE)
 
     def _run(self) -> None:
@@ -128,6 +140,8 @@ class TransferWorker:
                     self._backoff = min(self._backoff * 2, self.MAX_BACKOFF_S)
                 else:
                     self._backoff = self.MIN_BACKOFF_S
+                if self._recalls:
+                    self._serve_recalls()
                 self._sweep()
             except Exception:
                 logger.exception("sgl-nixl: transfer worker error; it goes on")
@@ -240,6 +254,8 @@ class TransferWorker:
             return None
         geo = g.geometry
         units = unit_indices_of(chunk.pages, geo)
+        if credits.returnable:
+            self._ask_slots(chunk.room, info, credits)
         same_device = bool(staging.device_uuid) and staging.device_uuid == peer.staging.device_uuid
         if same_device:
             _hint_mps(chunk.room)
@@ -335,6 +351,7 @@ class TransferWorker:
         """The decode's staging stayed busy: send this chunk with direct descriptors."""
         mgr = self.mgr
         job.fell_back = True
+        mgr.staged_fallbacks += 1
         job.send.abandon("no receiver staging slot")  # gives back gathered local slots
         prog.jobs = [j for j in prog.jobs if j is not job]
         logger.info(
@@ -352,6 +369,39 @@ class TransferWorker:
             prog.descriptors += x.descriptors
             mgr._staging_outstanding[room] += 1
 
+    # -- receiver slots ------------------------------------------------------------------
+    def _ask_slots(self, room: int, info: TransferInfo, credits: SlotCredits) -> None:
+        """A staged chunk found no receiver slot: join the decode's queue (once until
+        granted). To decodes that take slots back this is the first ask of the room."""
+        if credits or credits.granted or credits.asked:  # free, in use by a chunk, or asked
+            return
+        credits.asked = True
+        mgr = self.mgr
+        mgr.send_to((info.endpoint, info.dst_port),
+                    SlotAsk(room, mgr.engine.name, mgr.local_ip, mgr.rank_port))
+
+    def _return_slots(self, room: int) -> None:
+        """Give every decode of ``room`` that takes slots back the ones no chunk uses
+        (all pieces written there were scattered): between chunks, and when recalled."""
+        mgr = self.mgr
+        for agent, credits in list(mgr.remote_free.get(room, {}).items()):
+            if not credits.returnable:
+                continue
+            info = (mgr.transfer_infos.get(room) or {}).get(agent)
+            slots = credits.take_all() if info is not None else []
+            if slots:
+                assert info is not None
+                mgr.send_to((info.endpoint, info.dst_port),
+                            SlotReturn(room, mgr.engine.name, mgr.local_ip, mgr.rank_port, slots))
+
+    def _serve_recalls(self) -> None:
+        with self._recall_lock:
+            rooms, self._recalls = self._recalls, set()
+        for room in rooms:
+            prog = self.rooms.get(room)
+            if prog is None or not (prog.jobs or prog.failed or prog.last_seen):
+                self._return_slots(room)
+
     # -- completion ----------------------------------------------------------------------
     def _poll(self) -> int:
         """Poll every transfer in flight; returns how many settled."""
@@ -364,6 +414,8 @@ class TransferWorker:
                 except Exception as exc:  # as in _submit: fail the room, keep the worker
                     logger.exception("sgl-nixl: room %s: staged transfer step failed", room)
                     self._fail(room, f"internal error in a staged transfer: {exc!r}", finish=False)
+            if not (prog.jobs or prog.failed or prog.last_seen):
+                self._return_slots(room)  # between chunks: let other rooms use them
             if not prog.xfers:
                 self._maybe_finish(room)
                 continue

@@ -235,6 +235,8 @@ def _tables(mgr: Any) -> dict[str, int]:
         "_deferred_abort_ack_tracker", "remote_free",
     ]
     out = {n: len(getattr(mgr, n)) for n in names if isinstance(getattr(mgr, n, None), dict)}
+    if hasattr(mgr, "staged_fallbacks"):
+        out["count.staging.fell_back"] = mgr.staged_fallbacks
     staging = getattr(mgr, "staging", None)  # decode staging keeps per-room slots and pages
     for n in ("room_slots", "room_pages"):
         if isinstance(getattr(staging, n, None), dict):
@@ -245,6 +247,11 @@ def _tables(mgr: Any) -> dict[str, int]:
         out["count.staging.late_grants"] = staging.late_grants
         out["count.staging.prepared"] = staging.prepared
         out["count.staging.late_uploads"] = staging.late_uploads
+        out["count.staging.returned"] = staging.returned
+        out["count.staging.recalls"] = staging.recalls
+        out["staging.busy"] = len(staging._busy)  # slots with an unscattered piece: 0 at rest
+        out["staging.recalled"] = len(staging._recalled)
+        out["staging.returned_rooms"] = len(staging._returned_rooms)
     tracker = getattr(mgr, "addr_to_rooms_tracker", None)
     if tracker is not None:
         out["addr_to_rooms_tracker"] = sum(len(v) for v in tracker.values())
@@ -318,12 +325,19 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
                 ctx["sent"] = True
                 t = time.perf_counter()
                 sender.init(len(ctx["pages"]), ctx["slot"])
-                parts = np.array_split(ctx["pages"], r.chunks)
-                for i, part in enumerate(parts):
+                ctx["parts"] = np.array_split(ctx["pages"], r.chunks)
+                ctx["next"], ctx["next_at"] = 0, t + r.send_delay_ms * 1e-3
+                ctx["control_us"] = (time.perf_counter() - t) * 1e6
+            if ctx["sent"] and ctx["next"] < len(ctx["parts"]) and status != KVPoll.Failed:
+                # chunked prefill: the next chunk once its forward pass (the gap) is over
+                while ctx["next"] < len(ctx["parts"]) and time.perf_counter() >= ctx["next_at"]:
+                    t = time.perf_counter()
+                    i, parts = ctx["next"], ctx["parts"]
                     last = i == len(parts) - 1
                     state = [np.array([ctx["slot"]], dtype=np.int32)] if (last and r.with_state) else None
-                    sender.send(part.astype(np.int32), state_indices=state)
-                ctx["control_us"] = (time.perf_counter() - t) * 1e6
+                    sender.send(parts[i].astype(np.int32), state_indices=state)
+                    ctx["control_us"] += (time.perf_counter() - t) * 1e6
+                    ctx["next"], ctx["next_at"] = i + 1, t + w.chunk_gap_ms * 1e-3
             elif status in (KVPoll.Success, KVPoll.Failed):
                 reason = None
                 if status == KVPoll.Failed:

@@ -68,6 +68,7 @@ class Request:
     chunks: int
     contiguous: bool
     with_state: bool
+    send_delay_ms: float = 0.0  # before its first send (see ``Workload.send_delays_ms``)
 
     def pages(self, page_size: int) -> int:
         return -(-self.tokens // page_size)
@@ -82,6 +83,10 @@ class Workload:
     max_tokens: int = 1024
     concurrency: int = 8
     chunks: tuple[int, ...] = (1,)
+    chunk_gap_ms: float = 0.0  # between a request's chunked-prefill sends (its forward passes)
+    # before a request's first send, cycled over the requests like ``chunks`` (its wait for
+    # a forward pass: rooms the decode asked for early can be ready late)
+    send_delays_ms: tuple[float, ...] = (0.0,)
     fragmentation: str = "random"  # random | contiguous | mixed
     state: bool = True
     seed: int = 1234
@@ -96,7 +101,10 @@ class Workload:
                 "random": False, "contiguous": True, "mixed": bool(i % 2)
             }[self.fragmentation]
             room = int(rng.integers(1, 2**63 - 1))
-            out.append(Request(room, tokens, self.chunks[i % len(self.chunks)], contiguous, self.state))
+            out.append(Request(
+                room, tokens, self.chunks[i % len(self.chunks)], contiguous, self.state,
+                self.send_delays_ms[i % len(self.send_delays_ms)],
+            ))
         return out
 
     def pool_pages(self) -> int:

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-tokens", type=int, default=1024)
     w.add_argument("--concurrency", type=int, default=8)
     w.add_argument("--chunks", type=int, default=1, help="chunked-prefill sends per request")
+    w.add_argument("--chunk-gap-ms", type=float, default=0.0,
+                   help="time between a request's chunked-prefill sends (its forward passes)")
     w.add_argument("--fragmentation", choices=["random", "contiguous", "mixed"], default="random")
     w.add_argument("--no-state", action="store_true", help="do not transfer a state row")
     w.add_argument("--seed", type=int, default=1234)
@@ -79,6 +81,7 @@ def workload_of(args: argparse.Namespace) -> Workload:
         max_tokens=args.max_tokens,
         concurrency=args.concurrency,
         chunks=(args.chunks,),
+        chunk_gap_ms=args.chunk_gap_ms,
         fragmentation=args.fragmentation,
         state=not args.no_state,
         seed=args.seed,

@@ -188,6 +188,7 @@ class RemoteStaging:
     device: int
     mem_kind: str
     device_uuid: str = ""  # of its GPU ("" unknown): same as ours -> one GPU for both sides
+    returns: bool = False  # it takes slots back before the room ends (``SlotReturn``)
 
     def addr(self, slot: int) -> int:
         return self.ptr + slot * self.slot_bytes

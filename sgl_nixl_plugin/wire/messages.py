@@ -62,6 +62,9 @@ class StagingArea(msgspec.Struct, frozen=True):
     # the GPU's UUID ("" for host memory or from 0.2.0 and older): equal on both sides
     # means one GPU shared by both processes, which pipelines in fewer pieces
     device_uuid: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    # the decode takes slots back mid-room (SlotReturn); 0.3.0 and older neither send nor
+    # read it, and a prefill sends SlotReturn only to a decode that set it
+    returns: bool = False
 
 
 class PeerRegistration(msgspec.Struct, frozen=True, tag="reg"):
@@ -92,6 +95,8 @@ class RegistrationReply(msgspec.Struct, frozen=True, tag="reg_reply"):
     ip: Name = ""  # the prefill rank's control address, so the decode knows who refused
     port: Port = 0
     retry: bool = False  # the prefill lost this decode's registration: register again
+    # the prefill gives staging slots back when asked (SlotRecall); 0.3.0 and older: False
+    returns: bool = False
 
 
 class IndexSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -204,6 +209,27 @@ class SlotGrant(msgspec.Struct, frozen=True, tag="slot_grant"):
     slot: NonNeg
 
 
+class SlotReturn(msgspec.Struct, frozen=True, tag="slot_return"):
+    """Prefill rank -> decode rank: this sender of ``room`` (at ``ip:port``) is done with
+    ``slots`` for now (a chunk ended, or grants sat unused): every piece it wrote there was
+    scattered (its PieceDone came back). It asks again for its next chunk."""
+
+    room: Room
+    agent_name: Name
+    ip: Name
+    port: Port
+    slots: Annotated[list[NonNeg], msgspec.Meta(max_length=64)]
+
+
+class SlotRecall(msgspec.Struct, frozen=True, tag="slot_recall"):
+    """Decode rank -> prefill rank: senders wait for staging slots; give back this room's
+    if no chunk of it is using them (SlotReturn). Sent only to prefills whose
+    RegistrationReply said ``returns``."""
+
+    room: Room
+    agent_name: Name
+
+
 class Ping(msgspec.Struct, frozen=True, tag="ping"):
     """Liveness probe; the peer answers with a Pong to ``ip:port``."""
 
@@ -231,6 +257,8 @@ Message = (
     | PieceDone
     | SlotAsk
     | SlotGrant
+    | SlotReturn
+    | SlotRecall
     | Abort
     | AbortAck
     | Ping

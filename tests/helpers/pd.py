@@ -50,6 +50,8 @@ def workload(
     max_tokens: int = 160,
     concurrency: int = 6,
     chunks: tuple[int, ...] = (1, 1, 3, 3),
+    chunk_gap_ms: float = 0.0,
+    send_delays_ms: tuple[float, ...] = (0.0,),
     fragmentation: str = "mixed",
     state: bool = True,
 ) -> Workload:
@@ -63,6 +65,8 @@ def workload(
         max_tokens=max_tokens,
         concurrency=concurrency,
         chunks=chunks,
+        chunk_gap_ms=chunk_gap_ms,
+        send_delays_ms=send_delays_ms,
         fragmentation=fragmentation,
         state=state,
     )
