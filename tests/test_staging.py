@@ -493,3 +493,18 @@ def test_slot_credits_give_everything_back_only_when_every_slot_is_free():
     assert credits.take_all() == [3, 4, 5]
     assert not credits and not credits.granted and credits.take_all() == []
     assert "never granted" in credits.give_back(3, seq)  # a late or replayed credit
+
+
+def test_a_waiting_sender_gets_the_idle_slots_of_another_sender_of_its_room():
+    """TP mismatch: two prefill ranks send one room. The one that asks has no slots to give,
+    so only the other, idle one is recalled."""
+    from sgl_nixl_plugin.wire.messages import SlotAsk, SlotRecall
+
+    sent: list = []
+    st, mgr = _decode_staging(sent)
+    a, b = ("127.0.0.1", 5), ("127.0.0.1", 7)
+    mgr.room_endpoints[7] = {a, b}
+    st.returners.update({a, b})
+    st.grant(7, np.arange(4))  # sender a's request took all four slots
+    st.ask(SlotAsk(7, "p", *b))
+    assert [(ep, m) for ep, m in sent if isinstance(m, SlotRecall)] == [(a, SlotRecall(7, "decode"))]

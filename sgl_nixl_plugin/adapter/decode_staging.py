@@ -177,13 +177,12 @@ class DecodeStaging:
         with self._lock:
             if not self._asks:
                 return
-            waiting = {r for r, _ in self._asks}
+            waiting = set(self._asks)  # (room, sender): a sender that asks has none to give
             for room, slots in self.room_slots.items():
-                if not slots or room in waiting or room in self._recalled:
+                if not slots or room in self._recalled or self._busy.intersection(slots):
                     continue
-                if self._busy.intersection(slots):
-                    continue
-                eps = [e for e in self.mgr.room_endpoints.get(room, ()) if e in self.returners]
+                eps = [e for e in self.mgr.room_endpoints.get(room, ())
+                       if e in self.returners and (room, e) not in waiting]
                 if eps:
                     self._recalled.add(room)
                     recalls += [(e, SlotRecall(room, self.mgr.engine.name)) for e in eps]
