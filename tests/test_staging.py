@@ -463,7 +463,8 @@ def test_a_decode_takes_back_only_scattered_slots_of_the_room_from_its_sender():
     st.take_back(SlotReturn(7, "p", "127.0.0.1", 5, slots))
     st.take_back(SlotReturn(7, "p", "127.0.0.1", 9, slots[1:]))  # not the room's sender
     st.take_back(SlotReturn(8, "p", "127.0.0.1", 6, slots[1:]))  # not that room's slots
-    assert mgr.codec.rejections.reasons == ["bad_return"] * 3
+    st.take_back(SlotReturn(7, "p", "127.0.0.1", 5, [slots[1], slots[1]]))  # named twice
+    assert mgr.codec.rejections.reasons == ["bad_return"] * 4
     assert st.buffer.free == 0 and st.returned == 0
     # room 8 waits for slots: room 7 holds some with a piece in flight, so no recall yet
     st.returners.add(("127.0.0.1", 5))

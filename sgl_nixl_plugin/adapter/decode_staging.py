@@ -199,6 +199,8 @@ class DecodeStaging:
             held = self.room_slots.get(m.room)
             known = held is not None and ep in self.mgr.room_endpoints.get(m.room, ())
             bad = [s for s in m.slots if not known or s not in held or s in self._busy]
+            if len(set(m.slots)) != len(m.slots):
+                bad = bad or sorted(m.slots)  # a slot named twice would be freed twice
             if not bad:
                 for s in m.slots:
                     held.remove(s)

@@ -66,14 +66,14 @@ def mps_server_seen() -> bool:
 
 def _hint_mps(room: int) -> None:
     """Once per process: prefill and decode share this GPU. Without MPS their copies take
-    turns on it; under one MPS server they overlap (measured ~1.4x faster staged transfers
+    turns on it; under one MPS server they overlap (measured ~1.25x faster staged transfers
     on an H200, docs/benchmarks.md)."""
     if _MPS_HINTED.is_set():
         return
     _MPS_HINTED.set()
     if not mps_server_seen():
         logger.info(
-            "sgl-nixl: room %s: the decode shares this GPU; staged transfers run ~1.4x faster "
+            "sgl-nixl: room %s: the decode shares this GPU; staged transfers run ~1.25x faster "
             "when both servers are clients of one MPS server (nvidia-cuda-mps-control -d)",
             room,
         )
