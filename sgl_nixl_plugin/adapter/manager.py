@@ -414,6 +414,9 @@ class NixlPluginKVManager(CommonKVManager):
                 if any((i.get("rank_ip"), int(i.get("rank_port", -1))) == endpoint for i in infos):
                     del self.connection_pool[key]
         CommonKVReceiver.disconnect_endpoint(NetworkAddress(*endpoint).to_tcp())
+        returners = getattr(getattr(self, "staging", None), "returners", None)
+        if returners is not None:  # it says again at its next registration whether it returns
+            returners.discard(endpoint)
 
     def on_refused(self, endpoint: Endpoint, reason: str) -> None:
         self.refused_endpoints[endpoint] = (reason, time.monotonic())

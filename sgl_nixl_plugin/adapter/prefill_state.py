@@ -110,7 +110,6 @@ class SlotCredits(deque):
         self.in_use: dict[int, int] = {}
         self.returnable = returnable
         self.asked = False  # a SlotAsk is out and not yet answered by a grant
-        self.since = time.monotonic()  # when they were last granted or credited
         self._seq = 0
         self._lock = threading.Lock()
 
@@ -131,7 +130,6 @@ class SlotCredits(deque):
                 return f"slot {slot}: piece {seq} is not the one in it (replayed?)"
             self.in_use.pop(slot, None)
             self.append(slot)
-            self.since = time.monotonic()
             return ""
 
     def grant(self, slot: int) -> str:
@@ -142,7 +140,6 @@ class SlotCredits(deque):
             self.granted.add(slot)
             self.append(slot)
             self.asked = False
-            self.since = time.monotonic()
             return ""
 
     def take_all(self) -> list[int]:

@@ -388,9 +388,10 @@ class TransferWorker:
             if not credits.returnable:
                 continue
             info = (mgr.transfer_infos.get(room) or {}).get(agent)
-            slots = credits.take_all() if info is not None else []
+            if info is None:
+                continue
+            slots = credits.take_all()
             if slots:
-                assert info is not None
                 mgr.send_to((info.endpoint, info.dst_port),
                             SlotReturn(room, mgr.engine.name, mgr.local_ip, mgr.rank_port, slots))
 
