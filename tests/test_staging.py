@@ -155,13 +155,15 @@ def _send(a, b, link, src_pages, credits, drain_timeout_s=5.0):
         src_bases=a.bases, units=units, geometry=Geometry.whole_items(),
         pieces=plan_pieces(R, len(units), L, min(a.staging.slot_bytes, remote.slot_bytes)),
         remote_free=credits, stream=a.stream, drain_timeout_s=drain_timeout_s,
+        receiver_slots=credits.held if isinstance(credits, SlotCredits) else None,
     )
 
 
-def _drive(jobs, b, dst_pages_of, deadline_s=60.0, stop_after=None, credit=None):
+def _drive(jobs, b, dst_pages_of, deadline_s=60.0, stop_after=None, credit=None, each=None):
     """Run jobs, scattering each landed piece like a decode (through a ScatterQueue) and
     crediting its slot back (``credit(job, slot)``, by default to the job) only once its
-    scatter has finished; returns pieces scattered."""
+    scatter has finished; ``each()`` runs after every round of steps. Returns pieces
+    scattered."""
     scatters = ScatterQueue(b.copier, b.stream)
     end = time.monotonic() + deadline_s
     done = 0
@@ -175,6 +177,8 @@ def _drive(jobs, b, dst_pages_of, deadline_s=60.0, stop_after=None, credit=None)
                     (j, slot), bases=b.bases[piece.r0 : piece.r1], units=dst[piece.j0 : piece.j1],
                     unit_len=L, stride=L, offset=0, stage=b.staging.addr(slot),
                 )
+        if each is not None:
+            each()
         for j, slot in scatters.ready():
             if credit is None:
                 j.remote_free.append(slot)
@@ -227,6 +231,48 @@ def test_staged_transfers_share_bounded_slots_and_land_byte_exact(pair):
         assert not j.error and j.done_pieces == len(j.pieces)
     assert a.staging.free == a.staging.num_slots  # every local slot came back
     _assert_landed(a, b, [(s1, d1), (s2, d2), (s3, d3)])
+    assert a.engine.agent.live["xfer"] == 0
+
+
+def test_rooms_waiting_for_receiver_slots_hold_no_local_slot(pair):
+    """Local slots serve every room. A room waiting for a grant gathers nothing: before,
+    three waiting rooms filled all four local slots with pieces they could not send, and
+    the room holding the receiver slots could not gather until ``SLOT_WAIT`` sent the
+    waiting rooms direct. And a room keeps at most as many pieces gathered ahead as it
+    holds receiver slots."""
+    a, b, link = pair
+    rng = np.random.default_rng(11)
+    src, free = rng.permutation(P), rng.permutation(P)
+    s_h, d_h = src[:40], free[:40]
+    waiting = [SlotCredits([]) for _ in range(3)]
+    waiters = [_send(a, b, link, src[40 + 8 * i : 48 + 8 * i], c) for i, c in enumerate(waiting)]
+    holder_credits = SlotCredits(b.staging.acquire(1))
+    holder = _send(a, b, link, s_h, holder_credits)
+    assert len(holder.pieces) > 2 and all(len(w.pieces) >= 1 for w in waiters)
+    for _ in range(5):
+        for w in waiters:
+            assert w.step() == [] and not w.needs_polling
+    assert a.staging.free == a.staging.num_slots  # nothing gathered for the waiting rooms
+    lowest = [a.staging.free]
+
+    def each():
+        for w in waiters:
+            w.step()
+        lowest[0] = min(lowest[0], a.staging.free)
+
+    _drive([holder], b, {id(holder): d_h}, deadline_s=30.0, each=each)
+    assert not holder.error and holder.done_pieces == len(holder.pieces)
+    assert all(w.posted == 0 for w in waiters)
+    # one receiver slot: one piece in its WRITE and one gathered behind it, never more
+    assert lowest[0] == a.staging.num_slots - 2, lowest
+    # the holder's room ends; its slot is granted to the first waiting room, which now runs
+    slot = holder_credits.popleft()
+    assert waiting[0].grant(slot) == "" and waiters[0].needs_polling
+    d_w = free[40:48]
+    _drive([waiters[0]], b, {id(waiters[0]): d_w}, deadline_s=30.0)
+    assert not waiters[0].error and waiters[0].done_pieces == len(waiters[0].pieces)
+    assert a.staging.free == a.staging.num_slots
+    _assert_landed(a, b, [(s_h, d_h), (src[40:48], d_w)])
     assert a.engine.agent.live["xfer"] == 0
 
 

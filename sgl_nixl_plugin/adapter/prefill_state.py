@@ -113,6 +113,10 @@ class SlotCredits(deque):
         self._seq = 0
         self._lock = threading.Lock()
 
+    def held(self) -> int:
+        """Receiver slots this sender holds now, free or in use."""
+        return len(self.granted)
+
     def issue(self, slot: int) -> int:
         """The sequence number of the piece just told to the decode in ``slot``."""
         self._seq += 1

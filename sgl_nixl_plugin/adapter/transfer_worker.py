@@ -272,6 +272,7 @@ class TransferWorker:
                 g.num_regions, len(units), unit_len, slot, mgr.kv_mem_kind, same_device
             ),
             remote_free=credits,
+            receiver_slots=credits.held,
             stream=mgr.copy_stream,
             drain_timeout_s=mgr.settings.abort_drain_timeout_s,
         )

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -224,6 +225,11 @@ class StagedSend:
     pieces: list[Piece]
     remote_free: deque[int]  # receiver slots this room may write; shared by its chunks
     stream: Any = None
+    #: How many receiver slots the room holds now (free or in use); None: a fixed pool.
+    #: Gathered pieces that wait for a WRITE never outnumber them, and a room that holds
+    #: none gathers nothing: local slots are shared by every room, and a room waiting for
+    #: a grant must not fill them while the room that holds the receiver slots can't gather.
+    receiver_slots: Callable[[], int] | None = None
     drain_timeout_s: float = 5.0  # after an error, how long in-flight WRITEs may take to settle
     ahead: int = 3  # pieces gathered but not yet posted, at most (bounded by free local slots)
     trace: list[tuple[int, str, float]] | None = None  # (piece, step, perf_counter) if kept
@@ -253,9 +259,13 @@ class StagedSend:
         gather or post now); False while it waits for a receiver credit, which the
         caller learns about by message."""
         return bool(self._writing) or (bool(self._gathered) and bool(self.remote_free)) or (
-            not self.error and self._next < len(self.pieces)
-            and len(self._gathered) < self.ahead and self.local.free > 0
+            not self.error and self._may_gather() and self.local.free > 0
         )
+
+    def _may_gather(self) -> bool:
+        """Another piece may be gathered now (see ``receiver_slots``)."""
+        ahead = self.ahead if self.receiver_slots is None else min(self.ahead, self.receiver_slots())
+        return self._next < len(self.pieces) and len(self._gathered) < ahead
 
     def step(self) -> list[tuple[Piece, int]]:
         """Advance; returns ``(piece, remote_slot)`` for every piece that has landed."""
@@ -319,7 +329,7 @@ class StagedSend:
         # 3. gather the next piece into a free local slot (bounded by the buffer:
         # backpressure). One per call, after posting: a launch costs ~0.1 ms of host time,
         # which must not delay the WRITE of a piece that is ready
-        if self._next < len(self.pieces) and len(self._gathered) < self.ahead:
+        if self._may_gather():
             slots = self.local.acquire(1)
         else:
             slots = []
