@@ -115,6 +115,33 @@ def test_pd_rooms_wait_for_receiver_staging_slots(slot_wait: str, returns: str) 
         assert decode["count.staging.returned"] == decode["count.staging.recalls"] == 0, decode
 
 
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_pd_contended_staging_with_tp_mismatch_sends_nothing_direct(
+    prefill_tp: int, decode_tp: int
+) -> None:
+    """One room's worth of receiver slots, 8 rooms at once, TP 2 -> 1 and 1 -> 2. Before
+    0.4.0 rooms waited on each other until ``SLOT_WAIT`` (5 s) sent them direct: with two
+    senders a room, one sender of room B held slots while the other waited behind room C,
+    and C's likewise (5-13 chunks direct); with two decode ranks, each granted a different
+    room first (16-30 chunks direct). Now a sender's slots are freed when its Success is
+    applied, every decode rank serves rooms in request order, and a recall stands until the
+    slots are idle: no chunk goes direct."""
+    env = {
+        "SGL_NIXL_PLUGIN_TRANSFER_PATH": "staging",
+        "SGL_NIXL_PLUGIN_STAGING_BYTES": str(64 << 10),
+        "SGL_NIXL_PLUGIN_STAGING_PIECE_BYTES": str(16 << 10),
+        "SGL_NIXL_PLUGIN_SLOT_WAIT": "5",
+    }
+    w = workload("tiny", 16, requests=16, concurrency=8, min_tokens=64, max_tokens=160)
+    res = run_pd(w, prefill_tp=prefill_tp, decode_tp=decode_tp, env=env)
+    assert_clean(res)
+    fell_back = {k: r["tables"]["count.staging.fell_back"] for k, r in res.prefill.items()}
+    assert set(fell_back.values()) == {0}, fell_back
+    for key, r in res.decode.items():
+        t = r["tables"]
+        assert t["count.staging.asks"] > 0 and t["count.staging.freed_early"] > 0, (key, t)
+
+
 def test_pd_tp_mismatch_senders_share_a_rooms_slots() -> None:
     """Four prefill ranks send to one decode rank (TP 4 -> 1) through staging with 8
     receiver slots. Slots return only when a room ends, so each sender gets a share of the

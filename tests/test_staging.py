@@ -530,6 +530,41 @@ def test_a_decode_takes_back_only_scattered_slots_of_the_room_from_its_sender():
     assert st.buffer.free == 4 and not st.is_staged(7) and not st._recalled
 
 
+def test_a_decode_frees_a_senders_slots_at_its_success_and_serves_rooms_in_request_order():
+    """TP mismatch: room 7 has two senders (ports 5 and 9), two slots each. Sender 5's
+    Success frees its own slots (not sender 9's, not one still holding a piece), at once:
+    waiting for the room's end would let rooms wait on each other's senders. Waiting
+    senders are served in the order the decode asked for their rooms, not the order their
+    asks came in, so that every decode rank grants the same room first."""
+    from sgl_nixl_plugin.wire.messages import SlotAsk, SlotGrant
+
+    sent: list = []
+    st, mgr = _decode_staging(sent)
+    p5, p9, p6 = ("127.0.0.1", 5), ("127.0.0.1", 9), ("127.0.0.1", 6)
+    mgr.room_endpoints = {7: {p5, p9}, 8: {p6}, 10: {p6}}
+    mgr.required_prefill_response_num_table = {7: 2}
+    a, b = st.grant(7, np.arange(4), p5), st.grant(7, np.arange(4), p9)
+    assert len(a) == len(b) == 2 and st.buffer.free == 0
+    st.grant(8, np.arange(4), p6)  # requested first ...
+    st.grant(10, np.arange(4), p6)
+    st.ask(SlotAsk(10, "p", *p6))  # ... but its sender asks last
+    st.ask(SlotAsk(8, "p", *p6))
+    st._busy.add(a[1])  # a piece of sender 5 not scattered yet
+    st.sender_done(7, p5)
+    assert st.freed_early == 1 and sorted(st.room_slots[7]) == sorted([a[1], *b])
+    grants = [(ep, m) for ep, m in sent if isinstance(m, SlotGrant)]
+    assert grants == [(p6, SlotGrant(8, "decode", a[0]))]  # room 8 first
+    assert st.waiting == 1 and st.is_staged(7)
+    st._busy.clear()
+    st.sender_done(7, p5)  # its last piece was scattered
+    st.sender_done(7, ("127.0.0.1", 1))  # not a sender of the room: frees nothing
+    assert st.freed_early == 2 and sorted(st.room_slots[7]) == sorted(b)
+    assert [m.room for ep, m in sent if isinstance(m, SlotGrant)] == [8, 10]
+    for room in (7, 8, 10):
+        st.room_done(room, ok=True)
+    assert st.buffer.free == 4 and not st._owner and not st._order
+
+
 def test_slot_credits_give_everything_back_only_when_every_slot_is_free():
     credits = SlotCredits([3, 4], returnable=True)
     slot = credits.popleft()  # a piece goes into slot 3

@@ -805,3 +805,26 @@ def test_slot_return_capabilities_are_optional_both_ways():
             msgspec.msgpack.encode(SlotReturn(1, "p", "127.0.0.1", 5, list(range(65)))),
             type=SlotReturn,
         )
+
+
+def test_transfer_status_names_its_sender_optionally():
+    """0.4.0 prefills name their control endpoint in TransferStatus (a decode frees that
+    rank's staging slots when its Success is applied); a 0.3.0 status reads as unnamed
+    (port 0: the slots go back at the room's end), and a 0.3.0 decode ignores the names."""
+    old = msgspec.msgpack.encode({"type": "status", "room": 3, "status": 4, "prefill_rank": 1})
+    m = msgspec.msgpack.decode(old, type=TransferStatus)
+    assert (m.ip, m.port) == ("", 0)
+
+    class TransferStatus030(msgspec.Struct, frozen=True, tag="status"):  # the 0.3.0 schema
+        room: int
+        status: int
+        prefill_rank: int
+        reason: str = ""
+
+    new = msgspec.msgpack.encode(TransferStatus(3, 4, 1, "", "127.0.0.1", 5))
+    assert msgspec.msgpack.decode(new, type=TransferStatus030) == TransferStatus030(3, 4, 1)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(
+            msgspec.msgpack.encode(TransferStatus(3, 4, 1, "", "127.0.0.1", 70000)),
+            type=TransferStatus,
+        )

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sgl_nixl_plugin.adapter.liveness import Endpoint
+from sgl_nixl_plugin.adapter.prefill_state import SUCCESS
 from sgl_nixl_plugin.engine.layout import Geometry
 from sgl_nixl_plugin.engine.scatter_queue import ScatterQueue
 from sgl_nixl_plugin.engine.staging import StagingBuffer, unit_indices_of
@@ -90,11 +92,17 @@ class DecodeStaging:
         self.copier: Any = None
         self.stream: Any = None
         self.room_slots: dict[int, list[int]] = {}
+        self._owner: dict[int, Endpoint | None] = {}  # held slot -> the sender it was granted to
         self.room_pages: dict[int, np.ndarray] = {}
         self._room_units: dict[tuple[int, int, int, int], Any] = {}  # prepared per chunk
         self._quarantine: deque[tuple[float, list[int]]] = deque()
         # senders that found no free slot, oldest first: (room, their control endpoint)
         self._asks: deque[tuple[int, tuple[str, int]]] = deque()
+        # rooms in the order this rank asked prefills for them: served in that order, which
+        # every decode TP rank shares (in ask-arrival order, two ranks could each grant a
+        # different room first, and each room would wait for the other on the other rank)
+        self._order: dict[int, int] = {}
+        self._next_order = 0
         self.asks = 0  # senders that had to wait for a slot (counted, for metrics and tests)
         self.late_grants = 0  # slots granted to them later
         self.returned = 0  # slots senders gave back before their room ended (SlotReturn)
@@ -103,6 +111,7 @@ class DecodeStaging:
         self.returners: set[tuple[str, int]] = set()  # prefill endpoints that take SlotRecall
         self._recalled: set[int] = set()  # rooms asked to give their slots back (once each)
         self.recalls = 0
+        self.freed_early = 0  # slots freed when their sender's Success was applied
         self.prepared = 0  # rooms whose page indices were uploaded before their first piece
         self.late_uploads = 0  # chunks whose indices had to be uploaded at their first piece
         self._lock = threading.Lock()
@@ -141,15 +150,20 @@ class DecodeStaging:
                            returns=self.mgr.settings.slot_returns)
 
     # -- grants ---------------------------------------------------------------------------
-    def grant(self, room: int, pages: np.ndarray) -> list[int]:
-        """Receiver slots for one sender of ``room``; none when the pool is exhausted, and
-        then that sender asks (``SlotAsk``) and gets slots as they free up (``serve``)."""
+    def grant(self, room: int, pages: np.ndarray, sender: Endpoint | None = None) -> list[int]:
+        """Receiver slots for one sender of ``room`` (``sender``: its endpoint, when known);
+        none when the pool is exhausted, and then that sender asks (``SlotAsk``) and gets
+        slots as they free up (``serve``)."""
         with self._lock:
             self._expire_quarantine()
             slots = self.buffer.acquire(self._per_sender(room)) if not self._asks else []
             self.room_slots.setdefault(room, []).extend(slots)
+            self._owner.update(dict.fromkeys(slots, sender))
             fresh = room not in self.room_pages
             self.room_pages[room] = np.array(pages, dtype=np.int64)
+            if fresh:
+                self._order[room] = self._next_order
+                self._next_order += 1
         if fresh:
             self._queue.put(_Prepare(room))  # upload its page indices before any piece lands
         return slots
@@ -204,6 +218,7 @@ class DecodeStaging:
             if not bad:
                 for s in m.slots:
                     held.remove(s)
+                    self._owner.pop(s, None)
                 self.buffer.release(list(m.slots))
                 self.returned += len(m.slots)
                 self._returned_rooms.add(m.room)
@@ -216,16 +231,20 @@ class DecodeStaging:
         self.serve()
 
     def serve(self) -> None:
-        """Grant free slots to waiting senders, oldest first (backpressure across rooms)."""
+        """Grant free slots to waiting senders, oldest room first (backpressure across
+        rooms; see ``_order``)."""
         grants: list[tuple[tuple[str, int], SlotGrant]] = []
         with self._lock:
             self._expire_quarantine()
             while self._asks and self.buffer.free:
-                room, ep = self._asks.popleft()
+                i = min(range(len(self._asks)), key=lambda k: self._order.get(self._asks[k][0], -1))
+                room, ep = self._asks[i]
+                del self._asks[i]
                 if room not in self.room_pages:
                     continue  # ended while waiting
                 slots = self.buffer.acquire(self._per_sender(room))
                 self.room_slots.setdefault(room, []).extend(slots)
+                self._owner.update(dict.fromkeys(slots, ep))
                 grants += [(ep, SlotGrant(room, self.mgr.engine.name, s)) for s in slots]
                 self.late_grants += len(slots)
         for ep, g in grants:
@@ -251,9 +270,12 @@ class DecodeStaging:
         with self._lock:
             slots = self.room_slots.pop(room, [])
             self._busy.difference_update(slots)
+            for s in slots:
+                self._owner.pop(s, None)
             self._returned_rooms.discard(room)
             self._recalled.discard(room)
             self.room_pages.pop(room, None)
+            self._order.pop(room, None)
             for key in [k for k in self._room_units if k[0] == room]:
                 del self._room_units[key]
             if any(r == room for r, _ in self._asks):
@@ -264,6 +286,29 @@ class DecodeStaging:
                 slots = []
             if slots:
                 self.buffer.release(slots)
+        self.serve()
+
+    def sender_done(self, room: int, sender: Endpoint) -> None:
+        """``sender``'s Success for ``room`` was applied (behind its scatters): it writes no
+        more there, so the slots granted to it go to waiting rooms now. Slots freed only at
+        the room's end would make rooms wait on each other when a room has several senders
+        (TP mismatch: one sender of room B holds slots while another waits behind room C,
+        and C's likewise) or when its decode ranks granted rooms in different orders."""
+        with self._lock:
+            held = self.room_slots.get(room)
+            if not held:
+                return
+            mine = [s for s in held if self._owner.get(s) == sender and s not in self._busy]
+            if not mine:
+                return
+            for s in mine:
+                held.remove(s)
+                del self._owner[s]
+            self.buffer.release(mine)
+            self.freed_early += len(mine)
+            self._returned_rooms.add(room)  # statuses still queue behind its scatters
+            if (room, sender) in self._asks:
+                self._asks = deque(a for a in self._asks if a != (room, sender))
         self.serve()
 
     def is_staged(self, room: int) -> bool:
@@ -301,6 +346,7 @@ class DecodeStaging:
         while not self._stop.is_set():
             if self._asks:
                 self.serve()  # quarantined slots come back by time, not by an event
+                self._recall_idle()  # and slots may sit idle in rooms granted since the asks
             for item in self.scatters.wait(timeout=0.1 if self._asks else 0.5):
                 try:
                     if isinstance(item, PieceReady):
@@ -314,6 +360,8 @@ class DecodeStaging:
                         mgr.note_abort_ack(item.room, item.prefill_rank, item.generation)
                     else:
                         mgr.apply_status(item)
+                        if item.status == SUCCESS and item.port:
+                            self.sender_done(item.room, (item.ip, item.port))
                 except Exception:
                     logger.exception("sgl-nixl: scatter completion error (room %s)", item.room)
 

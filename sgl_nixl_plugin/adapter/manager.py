@@ -11,7 +11,7 @@ import json
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 import numpy as np
@@ -105,6 +105,8 @@ class NixlPluginKVManager(CommonKVManager):
                 w.start()
         else:
             self.room_endpoints: dict[int, set[Endpoint]] = defaultdict(set)
+            # while a receiver sends its metadata: the prefill ranks it goes to, in order
+            self.metadata_targets: dict[int, deque[Endpoint]] = {}
             self.refused_endpoints: dict[Endpoint, tuple[str, float]] = {}
             if staging_on:
                 self._start_decode_staging(device)
@@ -222,7 +224,8 @@ class NixlPluginKVManager(CommonKVManager):
         self, *, bootstrap_room: int, status: KVPoll, failure_reason: str | None
     ) -> list:
         return self.codec.encode(
-            TransferStatus(bootstrap_room, int(status), self.prefill_rank_id, failure_reason or "")
+            TransferStatus(bootstrap_room, int(status), self.prefill_rank_id, failure_reason or "",
+                           self.local_ip, self.rank_port)
         )
 
     def parse_kv_status_message(self, msg: list) -> tuple[int, int, int, str | None] | None:
@@ -277,10 +280,12 @@ class NixlPluginKVManager(CommonKVManager):
         ]
         if not is_dummy:
             self.listener.expect_data()
+        targets = self.metadata_targets.get(bootstrap_room)
+        target = targets.popleft() if targets else None  # the prefill rank this goes to
         slots: list[int] = []
         staged = self.staging is not None and not is_dummy and len(kv) > 0
         if staged:
-            slots = self.staging.grant(bootstrap_room, kv)
+            slots = self.staging.grant(bootstrap_room, kv, target)
         req = TransferRequest(
             room=bootstrap_room,
             agent_name=self.engine.name,

@@ -135,7 +135,7 @@ class PrefillControl(ControlLoop):
         elif isinstance(msg, SlotRecall):
             free = self.mgr.remote_free.get(msg.room, {}).get(msg.agent_name)
             if free is not None and free.returnable:  # else: ended, or nothing to give
-                self.mgr.workers[msg.room % len(self.mgr.workers)].recall(msg.room)
+                self.mgr.workers[msg.room % len(self.mgr.workers)].recall(msg.room, msg.agent_name)
         elif isinstance(msg, Abort):
             self.on_abort(msg)
         elif isinstance(msg, Ping):

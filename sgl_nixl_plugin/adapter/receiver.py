@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from typing import Any
 
 import requests
 from sglang.srt.disaggregation.base.conn import KVPoll
@@ -37,6 +39,18 @@ class NixlPluginKVReceiver(CommonKVReceiver):
                 mgr.update_status(self.bootstrap_room, KVPoll.Failed)
                 self.conclude_state = KVPoll.Failed
                 return
+
+    def send_metadata(self, *args: Any, **kwargs: Any) -> None:
+        """SGLang builds one transfer request per prefill rank, in ``bootstrap_infos``
+        order: tell the manager which rank each goes to, so that the staging slots granted
+        in it are known to be that rank's (they are freed when its Success is applied)."""
+        mgr, room = self.kv_mgr, self.bootstrap_room
+        infos = getattr(self, "bootstrap_infos", None) or []
+        mgr.metadata_targets[room] = deque((i["rank_ip"], int(i["rank_port"])) for i in infos)
+        try:
+            super().send_metadata(*args, **kwargs)
+        finally:
+            mgr.metadata_targets.pop(room, None)
 
     def _get_bootstrap_info_from_server(
         self, prefill_dp_rank: int, prefill_cp_rank: int, target_tp_rank: int, target_pp_rank: int

@@ -93,7 +93,9 @@ class TransferWorker:
         self._backoff = self.MIN_BACKOFF_S
         self._stop = threading.Event()
         self._last_sweep = time.monotonic()
-        self._recalls: set[int] = set()  # rooms whose decode asked for their slots back
+        # (room, decode agent): that decode asked for the room's slots back; a recall stands
+        # until its slots are returned or the room ends
+        self._recalls: set[tuple[int, str]] = set()
         self._recall_lock = threading.Lock()
         self.thread = threading.Thread(
             target=self._run, name=f"sgl-nixl-xfer-{index}", daemon=True
@@ -110,12 +112,12 @@ class TransferWorker:
         """A receiver slot came back for one of our rooms: step its staged job now."""
         self.queue.put(_WAKE)
 
-    def recall(self, room: int) -> None:
-        """The decode of ``room`` asks for its idle slots (SlotRecall): handled on this
+    def recall(self, room: int, agent: str) -> None:
+        """Decode ``agent`` asks for ``room``'s idle slots (SlotRecall): handled on this
         thread, the only one that starts staged jobs, so a slot is never returned while a
         job is about to write it."""
         with self._recall_lock:
-            self._recalls.add(room)
+            self._recalls.add((room, agent))
         self.queue.put(_WAKE)
 
     def _run(self) -> None:
@@ -382,27 +384,46 @@ class TransferWorker:
                     SlotAsk(room, mgr.engine.name, mgr.local_ip, mgr.rank_port))
 
     def _return_slots(self, room: int) -> None:
-        """Give every decode of ``room`` that takes slots back the ones no chunk uses
-        (all pieces written there were scattered): between chunks, and when recalled."""
+        """Give every decode of ``room`` that takes slots back the ones no chunk uses (all
+        pieces written there were scattered): between chunks."""
+        for agent, credits in list(self.mgr.remote_free.get(room, {}).items()):
+            if credits.returnable:
+                self._give_back(room, agent, credits)
+
+    def _give_back(self, room: int, agent: str, credits: SlotCredits) -> bool:
+        """Return ``credits`` to decode ``agent`` if every slot is free; whether it did."""
         mgr = self.mgr
-        for agent, credits in list(mgr.remote_free.get(room, {}).items()):
-            if not credits.returnable:
-                continue
-            info = (mgr.transfer_infos.get(room) or {}).get(agent)
-            if info is None:
-                continue
-            slots = credits.take_all()
-            if slots:
-                mgr.send_to((info.endpoint, info.dst_port),
-                            SlotReturn(room, mgr.engine.name, mgr.local_ip, mgr.rank_port, slots))
+        info = (mgr.transfer_infos.get(room) or {}).get(agent)
+        slots = credits.take_all() if info is not None else []
+        if slots:
+            mgr.send_to((info.endpoint, info.dst_port),
+                        SlotReturn(room, mgr.engine.name, mgr.local_ip, mgr.rank_port, slots))
+        return bool(slots)
 
     def _serve_recalls(self) -> None:
+        """A recall means a ready room waits for slots on that decode. Its slots go back
+        once no unfinished chunk of the room writes there, also after the room's last
+        chunk: with several decode ranks, one that granted room B before room A would
+        otherwise hold A's last chunk while A holds B's slots on another rank, until
+        ``SLOT_WAIT``. A recall stands until served or the room ends (pieces in flight
+        when it arrives are usually scattered a moment later)."""
         with self._recall_lock:
-            rooms, self._recalls = self._recalls, set()
-        for room in rooms:
+            recalls = set(self._recalls)
+        served = set()
+        for room, agent in recalls:
             prog = self.rooms.get(room)
-            if prog is None or not (prog.jobs or prog.failed or prog.last_seen):
-                self._return_slots(room)
+            credits = self.mgr.remote_free.get(room, {}).get(agent)
+            if credits is None or not credits.granted or (prog is not None and prog.failed):
+                served.add((room, agent))  # ended, nothing held, or failing: nothing to do
+                continue
+            if prog is not None and any(
+                j.info.agent == agent and (j.send.in_flight or not j.send.finished) for j in prog.jobs
+            ):
+                continue  # a chunk writes there now: once it is done
+            if self._give_back(room, agent, credits):
+                served.add((room, agent))
+        with self._recall_lock:
+            self._recalls -= served
 
     # -- completion ----------------------------------------------------------------------
     def _poll(self) -> int:

@@ -232,7 +232,7 @@ def _tables(mgr: Any) -> dict[str, int]:
         "request_status", "failure_records", "transfer_infos", "req_to_decode_prefix_len",
         "_staging_outstanding", "_deferred_ack_targets", "room_seen", "room_endpoints",
         "required_prefill_response_num_table", "prefill_response_tracker",
-        "_deferred_abort_ack_tracker", "remote_free",
+        "_deferred_abort_ack_tracker", "remote_free", "metadata_targets",
     ]
     out = {n: len(getattr(mgr, n)) for n in names if isinstance(getattr(mgr, n, None), dict)}
     if hasattr(mgr, "staged_fallbacks"):
@@ -249,6 +249,9 @@ def _tables(mgr: Any) -> dict[str, int]:
         out["count.staging.late_uploads"] = staging.late_uploads
         out["count.staging.returned"] = staging.returned
         out["count.staging.recalls"] = staging.recalls
+        out["count.staging.freed_early"] = staging.freed_early
+        out["staging.owners"] = len(staging._owner)
+        out["staging.order"] = len(staging._order)
         out["staging.busy"] = len(staging._busy)  # slots with an unscattered piece: 0 at rest
         out["staging.recalled"] = len(staging._recalled)
         out["staging.returned_rooms"] = len(staging._returned_rooms)

@@ -128,12 +128,18 @@ class TransferRequest(msgspec.Struct, frozen=True, tag="xfer"):
 
 
 class TransferStatus(msgspec.Struct, frozen=True, tag="status"):
-    """Prefill rank -> decode rank: a room's terminal (or readiness) status."""
+    """Prefill rank -> decode rank: a room's terminal (or readiness) status.
+
+    ``ip``/``port`` name the sending rank's control endpoint (0.4.0; empty from older
+    prefills): a decode frees the staging slots that rank holds as soon as its Success has
+    been applied, instead of when the whole room ends."""
 
     room: Room
     status: Annotated[int, msgspec.Meta(ge=0, le=4)]
     prefill_rank: NonNeg
     reason: Reason = ""
+    ip: Name = ""
+    port: Port = 0
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
