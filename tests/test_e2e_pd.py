@@ -84,10 +84,10 @@ def test_pd_two_prefill_instances_one_decode() -> None:
 @pytest.mark.parametrize("slot_wait,returns", [("5", "1"), ("0.05", "1"), ("0", "1"), ("5", "0")])
 def test_pd_rooms_wait_for_receiver_staging_slots(slot_wait: str, returns: str) -> None:
     """The decode's staging holds one room's slots: the other rooms ask and are granted
-    slots as rooms end, oldest first (SlotAsk / SlotGrant), every byte lands, and nothing
+    slots as they free, oldest room first (SlotAsk / SlotGrant), every byte lands, and nothing
     is left queued. With a short ``SLOT_WAIT`` chunks that find no slot in time go direct
-    while other chunks of their rooms are staged (the grants they get later are returned
-    when the room ends); either way every byte lands and no room reports Success early.
+    while other chunks of their rooms are staged (the grants they get later are freed
+    when their sender is done); either way every byte lands and no room reports Success early.
     ``returns=0`` is how 0.3.0 peers behave (no SlotReturn / SlotRecall; asks at the
     request): still every byte lands."""
     env = {
@@ -144,7 +144,7 @@ def test_pd_contended_staging_with_tp_mismatch_sends_nothing_direct(
 
 def test_pd_tp_mismatch_senders_share_a_rooms_slots() -> None:
     """Four prefill ranks send to one decode rank (TP 4 -> 1) through staging with 8
-    receiver slots. Slots return only when a room ends, so each sender gets a share of the
+    receiver slots. Slots return only when their sender is done, so each sender gets a share of the
     room's (``slots_per_sender``): all four start at once and no sender has to ask and wait
     (with a whole room's worth each, two would wait ``SLOT_WAIT`` and then go direct)."""
     env = {

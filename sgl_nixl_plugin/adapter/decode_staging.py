@@ -49,8 +49,8 @@ SLOTS_PER_ROOM = 4
 def slots_per_sender(senders: int) -> int:
     """A room's slots, shared by the prefill ranks that send to it (TP mismatch: several).
 
-    Slots come back when the room ends (or between chunks, ``SlotReturn``), not when one
-    sender's chunk is done while the others still send: giving each of k senders the whole
+    Slots come back when their sender is done with the room (or between chunks,
+    ``SlotReturn``), not when one of its chunks is done while other senders still send: giving each of k senders the whole
     SLOTS_PER_ROOM would let the first two of four fill the pool while the others wait
     (then go direct after SGLANG_NIXL_PLUGIN_SLOT_WAIT). One slot a sender still moves its
     bytes, one piece at a time.
@@ -96,7 +96,7 @@ class DecodeStaging:
         self.room_pages: dict[int, np.ndarray] = {}
         self._room_units: dict[tuple[int, int, int, int], Any] = {}  # prepared per chunk
         self._quarantine: deque[tuple[float, list[int]]] = deque()
-        # senders that found no free slot, oldest first: (room, their control endpoint)
+        # senders that found no free slot, in ask order: (room, their control endpoint)
         self._asks: deque[tuple[int, tuple[str, int]]] = deque()
         # rooms in the order this rank asked prefills for them: served in that order, which
         # every decode TP rank shares (in ask-arrival order, two ranks could each grant a
