@@ -24,6 +24,7 @@ from helpers.faults import (
 )
 from helpers.prom import multiproc_registry, sample_value
 
+from sgl_nixl_plugin.bench.rank import RankSpec
 from sgl_nixl_plugin.bench.session import free_port
 from sgl_nixl_plugin.bench.workload import PRESETS, ModelShape, Request, Workload
 
@@ -493,3 +494,55 @@ def test_network_partition_fails_rooms_within_liveness_deadline(tmp_path: Path) 
             )
             st = d.call("state")
             assert not _room_tables(st["tables"]), st["tables"]
+
+
+# ---------------------------------------------------------------------------------------
+# 6. a decode the prefill refuses
+# ---------------------------------------------------------------------------------------
+
+#: How soon both sides of a refused room must have failed (the brief: no client timeout).
+REFUSAL_S = 2.0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sender_first", [True, False], ids=["sender-first", "decode-first"])
+def test_refused_decode_fails_the_room_on_both_sides_fast(tmp_path: Path, sender_first: bool) -> None:
+    """The prefill refuses a decode of another layout (one more layer). SGLang's decode fails
+    such a room at its handshake and sends the prefill nothing more (no metadata, no abort),
+    so the plugin must tell it: the prefill's sender fails with the refusal's reason within
+    2 s, whether it existed before the decode gave up or was created after (the router sends
+    a request to both servers at once, either can see it first)."""
+    other = Workload(
+        ModelShape("tiny-5-layers", 5, 4, 16, "float16"), page_size=PAGE, max_tokens=128,
+        concurrency=32,
+    )
+    why = "num_layers: prefill=8 decode=10"  # K and V buffers per layer
+    with FaultCluster(TINY, tmp_path) as c:
+        port = free_port()
+        p = c.prefill("prefill0", port, serve_bootstrap=True)
+        d = c.add("decode0", RankSpec("decode", 0, 1, 0, other, bootstrap_port=0, env=dict(c.env)))
+        c.ready()
+        addr = f"127.0.0.1:{port}"
+        reqs = make_requests(4, 40, tokens=(16, 64))
+        rooms = _rooms(reqs)
+        if sender_first:
+            p.call("expect", reqs=reqs)
+        assert d.call("submit", reqs=reqs, addr=addr, metadata=False) == {}
+        failed = d.wait_done(rooms, 20)
+        assert set(failed) == rooms
+        for r in failed.values():
+            assert not r["ok"], r
+            assert "refused this decode" in r["reason"] and why in r["reason"], r["reason"]
+        t_known = max(r["t"] for r in failed.values())
+        if not sender_first:
+            t_known = time.time()
+            p.call("expect", reqs=reqs)
+        sent = p.wait_done(rooms, 20)
+        assert set(sent) == rooms
+        for r in sent.values():
+            assert not r["ok"], r
+            assert why in (r["reason"] or ""), r["reason"]
+        late = {room: round(r["t"] - t_known, 2) for room, r in sent.items() if r["t"] - t_known > REFUSAL_S}
+        assert not late, f"prefill rooms failed later than {REFUSAL_S}s: {late}\n{c.logs()}"
+        assert not _room_tables(p.call("state")["tables"])
+        assert not _room_tables(d.call("state")["tables"])

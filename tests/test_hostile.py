@@ -202,7 +202,7 @@ class FakeDecode:
         self.spec = RankSpec("decode", instance, 1, 0, w, bootstrap_port=0)
         self.pools = Pools(self.spec)
         args = self.pools.kv_args(types.SimpleNamespace, self.spec)
-        self.compat = compat_of(args, w.shape.mla, 1)
+        self.compat = compat_of(args, w.shape.mla)
         self.engine = TransferEngine(registry.resolve_agent_config(), memory_from_kv_args(args, "DRAM"))
         self.name = self.engine.name
         self.codec = Codec(secret)
@@ -215,7 +215,7 @@ class FakeDecode:
         self.registration = PeerRegistration(
             compat=self.compat, compat_hash=compat_hash(self.compat), agent_name=self.name,
             agent_metadata=self.engine.metadata, ip="127.0.0.1", port=self.port, tp_rank=0,
-            tp_size=1, kv_heads=int(args.kv_head_num), kv=to_regions(mem.kv),
+            tp_size=1, kv=to_regions(mem.kv),
             aux=to_regions(mem.aux), state=[to_regions(s) for s in mem.state],
         )
         self.inbox: queue.Queue[Any] = queue.Queue()

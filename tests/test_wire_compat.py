@@ -17,8 +17,6 @@ BASE = Compat(
     kv_dtype="bfloat16",
     page_size=64,
     num_layers=32,
-    total_kv_heads=8,
-    head_bytes=256,
     is_mla=False,
 )
 
@@ -28,8 +26,6 @@ OTHER = {
     "kv_dtype": "fp8_e4m3",
     "page_size": 16,
     "num_layers": 61,
-    "total_kv_heads": 1,
-    "head_bytes": 0,
     "is_mla": True,
 }
 

@@ -169,7 +169,7 @@ def test_random_frames(batches, with_secret):
 # (b) mutations of valid messages
 
 _REGION = Region(ptr=0x7F0000000000, length=1 << 20, item_len=4096, device=1, mem_kind="VRAM")
-_COMPAT = Compat(PROTOCOL_VERSION, "bfloat16", 64, 32, 8, 256, False)
+_COMPAT = Compat(PROTOCOL_VERSION, "bfloat16", 64, 32, False)
 
 
 def _samples() -> list[tuple[Message, list[np.ndarray]]]:
@@ -187,7 +187,6 @@ def _samples() -> list[tuple[Message, list[np.ndarray]]]:
                 port=17000,
                 tp_rank=1,
                 tp_size=2,
-                kv_heads=4,
                 kv=[_REGION, _REGION],
                 aux=[_REGION],
                 state=[[_REGION]],

@@ -95,8 +95,6 @@ compats = st.builds(
     kv_dtype=names,
     page_size=positive,
     num_layers=nonneg,
-    total_kv_heads=nonneg,
-    head_bytes=nonneg,
     is_mla=st.booleans(),
 )
 stagings = st.none() | st.builds(
@@ -114,7 +112,6 @@ peer_registrations = st.builds(
     port=ports,
     tp_rank=nonneg,
     tp_size=positive,
-    kv_heads=nonneg,
     kv=st.lists(regions, max_size=8),
     aux=st.lists(regions, max_size=4),
     state=st.lists(st.lists(regions, max_size=3), max_size=3),
@@ -340,7 +337,7 @@ def test_round_trip_extreme_values(secret):
     big_region = Region(ptr=U64, length=U64, item_len=U64, device=U64, mem_kind="DRAM")
     msgs = [
         PeerRegistration(
-            compat=Compat(I64_MIN, "x" * MAX_NAME, U64, U64, U64, U64, True),
+            compat=Compat(I64_MIN, "x" * MAX_NAME, U64, U64, True),
             compat_hash="é" * MAX_NAME,
             agent_name="",
             agent_metadata=bytes(range(256)) * 4,
@@ -348,7 +345,6 @@ def test_round_trip_extreme_values(secret):
             port=65535,
             tp_rank=U64,
             tp_size=1,
-            kv_heads=0,
             kv=[big_region] * 100,
             aux=[],
             state=[[], [big_region]],

@@ -25,10 +25,17 @@ from sglang.srt.utils.network import NetworkAddress
 from sgl_nixl_plugin import metrics
 from sgl_nixl_plugin.adapter.decode import DecodeListener
 from sgl_nixl_plugin.adapter.decode_staging import DecodeStaging
-from sgl_nixl_plugin.adapter.memory import compat_of, kv_mem_kind, memory_from_kv_args, to_regions
+from sgl_nixl_plugin.adapter.memory import (
+    compat_of,
+    kv_mem_kind,
+    memory_from_kv_args,
+    prefill_head_layout,
+    to_regions,
+)
 from sgl_nixl_plugin.adapter.prefill_control import PrefillControl
 from sgl_nixl_plugin.adapter.prefill_state import Chunk, RoomProgress
 from sgl_nixl_plugin.adapter.transfer_worker import TransferWorker
+from sgl_nixl_plugin.bridge.entry import announce
 from sgl_nixl_plugin.engine.engine import PeerLink, TransferEngine
 from sgl_nixl_plugin.engine.staging import StagingBuffer
 from sgl_nixl_plugin.registry import manager as registry
@@ -38,6 +45,7 @@ from sgl_nixl_plugin.wire.codec import Codec, index_specs
 from sgl_nixl_plugin.wire.compat import compat_hash
 from sgl_nixl_plugin.wire.http_auth import sign
 from sgl_nixl_plugin.wire.messages import (
+    Abort,
     AbortAck,
     Message,
     PeerRegistration,
@@ -83,7 +91,7 @@ class NixlPluginKVManager(CommonKVManager):
             config.num_threads = self.settings.nixl_threads  # the initiator drives the WRITEs
         self.engine = TransferEngine(config, memory, progress_thread=self.settings.progress_thread)
         self._engine_lock = threading.Lock()
-        self.compat = compat_of(args, bool(is_mla_backend), self.attn_tp_size)
+        self.compat = compat_of(args, bool(is_mla_backend))
         self.compat_hash = compat_hash(self.compat)
         self._stopping = False
         self.staging: Any = None
@@ -93,7 +101,11 @@ class NixlPluginKVManager(CommonKVManager):
         self.staging_bytes, self.slot_bytes = staging_sizes(self.settings, self.kv_mem_kind)
         staging_on = self.staging_bytes > 0
         if disaggregation_mode == DisaggregationMode.PREFILL:
+            self.head_layout = prefill_head_layout(args, bool(is_mla_backend))
             self.room_seen: dict[int, float] = {}
+            # rooms a decode gave up before this side's sender existed: room -> (reason, when)
+            self.early_aborts: dict[int, tuple[str, float]] = {}
+            self.early_abort_lock = threading.Lock()
             self.remote_free: dict[int, dict[str, Any]] = {}
             self.staged_fallbacks = 0  # staged chunks sent direct: no receiver slot in time
             if staging_on:
@@ -117,6 +129,7 @@ class NixlPluginKVManager(CommonKVManager):
             # Only now can this rank answer decodes: advertise it at the bootstrap server.
             self._advertise = True
             self.register_to_bootstrap()
+        announce()
         logger.info(
             "sgl-nixl: %s manager ready (agent %s, %s KV, %d regions, control %s:%s)",
             disaggregation_mode.value, self.engine.name, self.kv_mem_kind,
@@ -176,8 +189,8 @@ class NixlPluginKVManager(CommonKVManager):
                 problem = f"HTTP {r.status_code}: {r.text[:300]}"
                 if r.status_code in (400, 401, 413):
                     break  # retrying a refused registration can't help
-            except requests.RequestException as exc:
-                problem = str(exc)
+            except Exception as exc:  # never take the scheduler down: SGLang's own code doesn't
+                problem = f"{type(exc).__name__}: {exc}"
             logger.warning("sgl-nixl: bootstrap registration attempt %d/5 failed: %s", attempt, problem)
             time.sleep(delay)
             delay = min(delay * 2, 8.0)
@@ -253,7 +266,6 @@ class NixlPluginKVManager(CommonKVManager):
             port=self.rank_port,
             tp_rank=int(args.engine_rank) % self.attn_tp_size,
             tp_size=self.attn_tp_size,
-            kv_heads=int(getattr(args, "kv_head_num", 0) or 0),
             kv=to_regions(mem.kv),
             aux=to_regions(mem.aux),
             state=[to_regions(s) for s in mem.state],
@@ -398,19 +410,21 @@ class NixlPluginKVManager(CommonKVManager):
             pools = list(self.connection_pool.values())
         return {(i["rank_ip"], int(i["rank_port"])) for infos in pools for i in infos}
 
-    def fail_endpoint(self, endpoint: Endpoint, reason: str) -> None:
-        """Fail every unfinished room served by ``endpoint`` and forget its cached route."""
-        failed = 0
+    def fail_endpoint(self, endpoint: Endpoint, reason: str) -> list[int]:
+        """Fail every unfinished room served by ``endpoint``, forget its cached route, and
+        return the rooms failed."""
+        failed = []
         for room, eps in list(self.room_endpoints.items()):
             if endpoint in eps and self.request_status.get(room) not in (
                 None, KVPoll.Success, KVPoll.Failed,
             ):
                 self.record_failure(room, reason)
                 self.update_status(room, KVPoll.Failed)
-                failed += 1
+                failed.append(room)
         self.forget_endpoint(endpoint)
         log = logger.error if failed else logger.info
-        log("sgl-nixl: %s (%d requests failed)", reason, failed)
+        log("sgl-nixl: %s (%d requests failed: rooms %s)", reason, len(failed), _rooms(failed))
+        return failed
 
     def forget_endpoint(self, endpoint: Endpoint) -> None:
         """Drop cached routes to ``endpoint`` so the next request asks the bootstrap again."""
@@ -425,7 +439,39 @@ class NixlPluginKVManager(CommonKVManager):
 
     def on_refused(self, endpoint: Endpoint, reason: str) -> None:
         self.refused_endpoints[endpoint] = (reason, time.monotonic())
-        self.fail_endpoint(endpoint, f"prefill {endpoint[0]}:{endpoint[1]} refused this decode: {reason}")
+        why = f"prefill {endpoint[0]}:{endpoint[1]} refused this decode: {reason}"
+        for room in self.fail_endpoint(endpoint, why):
+            self.tell_prefills(room, self.room_endpoints.get(room, {endpoint}), why)
+
+    def tell_prefills(self, room: int, endpoints: set[Endpoint], reason: str) -> None:
+        """This decode gave ``room`` up on its own: tell its prefill ranks why, so their
+        senders fail now (SGLang's decode sends no abort for a failed handshake)."""
+        msg = Abort(room, self.local_ip, self.rank_port, None, reason)
+        for ep in endpoints:
+            self.send_to(ep, msg)
+
+    # -- prefill: rooms a decode gave up before their sender existed ---------------------
+    def note_early_abort(self, room: int, reason: str) -> bool:
+        """Fail ``room`` now, or at its sender's creation if it has none yet (False)."""
+        with self.early_abort_lock:
+            if room not in self.request_status:
+                now = time.monotonic()
+                horizon = now - max(60.0, float(self.bootstrap_timeout))
+                for old in [r for r, (_, t) in self.early_aborts.items() if t < horizon]:
+                    del self.early_aborts[old]
+                if len(self.early_aborts) < 100_000:
+                    self.early_aborts[room] = (reason, now)
+                return False
+        if self.request_status[room] != KVPoll.Success:
+            self.record_failure(room, reason)
+            self.update_status(room, KVPoll.Failed)
+        return True
+
+    def claim_early_abort(self, room: int) -> str | None:
+        """The reason a decode gave up ``room`` before its sender was created, if it did."""
+        with self.early_abort_lock:
+            hit = self.early_aborts.pop(room, None)
+        return hit[0] if hit else None
 
     # -- teardown -----------------------------------------------------------------------
     def close(self) -> None:
@@ -448,3 +494,9 @@ class NixlPluginKVManager(CommonKVManager):
         for t in threads:
             t.join(timeout=5)
         self.engine.close()
+
+
+def _rooms(rooms: list[int], limit: int = 8) -> str:
+    """Room ids for a log line, the first ``limit`` of them."""
+    shown = ", ".join(str(r) for r in rooms[:limit])
+    return shown + (f" and {len(rooms) - limit} more" if len(rooms) > limit else "") or "none"

@@ -2,26 +2,39 @@
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Any
 
 from sgl_nixl_plugin.engine.engine import Memory
 from sgl_nixl_plugin.engine.layout import Geometry, RegionSet
+from sgl_nixl_plugin.engine.mem_kind import pointer_kind
 from sgl_nixl_plugin.wire.messages import PROTOCOL_VERSION, Compat, Region
+
+logger = logging.getLogger(__name__)
 
 
 def kv_mem_kind(kv_args: Any, device: str, override: str = "") -> str:
-    """DRAM or VRAM for the KV pool: the override, SGLang's list, else by device."""
+    """DRAM or VRAM for the KV pool: the override, else what the pointers are, else
+    SGLang's label (a decode labels its pool VRAM even on a CPU host), else by device."""
     if override:
         return override
-    kinds = set(getattr(kv_args, "kv_data_mem_kinds", None) or [])
-    if len(kinds) > 1:
+    found = {pointer_kind(int(p)) for p in kv_args.kv_data_ptrs}
+    labels = set(getattr(kv_args, "kv_data_mem_kinds", None) or [])
+    if None in found:
+        found = labels or {"DRAM" if device == "cpu" else "VRAM"}
+    if len(found) > 1:
         raise ValueError(
-            f"KV buffers of mixed memory kinds {sorted(kinds)} are not supported by "
+            f"KV buffers of mixed memory kinds {sorted(found)} are not supported by "
             "sgl-nixl-plugin yet (e.g. HiSparse host pools); use one kind"
         )
-    if kinds:
-        return kinds.pop()
-    return "DRAM" if device == "cpu" else "VRAM"
+    kind = found.pop()
+    if labels and labels != {kind}:
+        logger.info(
+            "sgl-nixl: SGLang labels the KV pool %s, its memory is %s: registering it as %s",
+            "/".join(sorted(labels)), kind, kind,
+        )
+    return kind
 
 
 def memory_from_kv_args(kv_args: Any, kind: str) -> Memory:
@@ -69,24 +82,63 @@ def remote_memory(kv: list[Region], aux: list[Region], state: list[list[Region]]
     return Memory(from_regions(kv), from_regions(aux, "DRAM"), tuple(from_regions(s) for s in state))
 
 
-def head_bytes(kv_args: Any, is_mla: bool) -> int:
-    """Bytes of one KV head of one token (0 for MLA, whose KV is not split by heads)."""
+@dataclass(frozen=True)
+class HeadLayout:
+    """How the prefill's KV rows split into heads (MHA pools only)."""
+
+    heads: int  # KV heads this rank holds
+    total: int  # KV heads of the model
+    head_bytes: int  # bytes of one head of one token (head_dim x dtype size)
+
+
+def prefill_head_layout(kv_args: Any, is_mla: bool) -> HeadLayout | None:
+    """The prefill's own head split, or None where it has none (MLA) or SGLang gave none.
+
+    SGLang sets ``kv_head_num`` / ``total_kv_head_num`` on a prefill's ``KVArgs`` for MHA
+    pools before it constructs the manager; a decode's never has them at that point.
+    """
     heads = int(getattr(kv_args, "kv_head_num", 0) or 0)
     if is_mla or heads <= 0 or not kv_args.kv_item_lens:
+        return None
+    row = int(kv_args.page_size) * heads
+    item = int(kv_args.kv_item_lens[0])
+    if item % row:
+        raise ValueError(
+            f"KV item of {item} bytes is not {kv_args.page_size} tokens x {heads} heads"
+        )
+    total = int(getattr(kv_args, "total_kv_head_num", 0) or heads)
+    return HeadLayout(heads=heads, total=max(total, heads), head_bytes=item // row)
+
+
+def decode_heads(
+    layout: HeadLayout | None, page_size: int, src_item_len: int, dst_item_len: int, dst_tp: int
+) -> int:
+    """KV heads a decode rank holds, from its item length and TP size (ValueError if the
+    two sides cannot be the same model): SGLang gives the decode no head counts."""
+    if layout is None:
+        if dst_item_len != src_item_len:
+            raise ValueError(
+                f"KV item lengths differ (prefill {src_item_len} bytes, decode {dst_item_len}) "
+                "and the prefill has no head split to slice by"
+            )
         return 0
-    return int(kv_args.kv_item_lens[0]) // (int(kv_args.page_size) * heads)
+    row = page_size * layout.head_bytes
+    expected = max(1, layout.total // dst_tp)
+    if dst_item_len % row or dst_item_len // row != expected:
+        raise ValueError(
+            f"decode KV item of {dst_item_len} bytes at TP {dst_tp} should be "
+            f"{expected * row} ({page_size} tokens x {expected} of {layout.total} heads x "
+            f"{layout.head_bytes} bytes, as on the prefill): same model and --kv-cache-dtype?"
+        )
+    return expected
 
 
-def compat_of(kv_args: Any, is_mla: bool, tp_size: int) -> Compat:
-    heads = int(getattr(kv_args, "kv_head_num", 0) or 0)
-    total = int(getattr(kv_args, "total_kv_head_num", 0) or heads * tp_size)
+def compat_of(kv_args: Any, is_mla: bool) -> Compat:
     return Compat(
         protocol_version=PROTOCOL_VERSION,
         kv_dtype=str(kv_args.kv_cache_dtype_str),
         page_size=int(kv_args.page_size),
         num_layers=len(kv_args.kv_data_ptrs),
-        total_kv_heads=0 if is_mla else total,
-        head_bytes=head_bytes(kv_args, is_mla),
         is_mla=bool(is_mla),
     )
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sgl_nixl_plugin.adapter.control_loop import ControlLoop
-from sgl_nixl_plugin.adapter.memory import kv_geometry, remote_memory
+from sgl_nixl_plugin.adapter.memory import decode_heads, kv_geometry, remote_memory
 from sgl_nixl_plugin.adapter.prefill_state import (
     FAILED,
     SUCCESS,
@@ -169,12 +169,17 @@ class PrefillControl(ControlLoop):
             self.drop_peer(reg.agent_name, "re-registered with a different layout")
         if not reason:
             try:
+                layout = mgr.head_layout
+                dst_heads = decode_heads(
+                    layout, mgr.compat.page_size, int(mgr.kv_args.kv_item_lens[0]),
+                    reg.kv[0].item_len if reg.kv else 0, reg.tp_size,
+                ) if not mgr.is_mla_backend else 0
                 geometry = kv_geometry(
                     is_mla=mgr.is_mla_backend,
                     page_size=mgr.compat.page_size,
-                    head_bytes_=mgr.compat.head_bytes,
-                    src_heads=int(mgr.kv_args.kv_head_num or 0),
-                    dst_heads=reg.kv_heads,
+                    head_bytes_=layout.head_bytes if layout else 0,
+                    src_heads=layout.heads if layout else 0,
+                    dst_heads=dst_heads,
                     src_tp_rank=mgr.attn_tp_rank,
                     dst_tp_rank=reg.tp_rank,
                 )
@@ -328,8 +333,8 @@ class PrefillControl(ControlLoop):
     def on_abort(self, msg: Abort) -> None:
         mgr = self.mgr
         room = msg.room
-        if room in mgr.request_status and mgr.request_status[room] != SUCCESS:
-            mgr.record_failure(room, "Aborted by the decode side")
-            mgr.update_status(room, FAILED)
+        reason = f"decode {msg.ip}:{msg.port}: {msg.reason}" if msg.reason else "Aborted by the decode side"
+        if not mgr.note_early_abort(room, reason):
+            logger.info("sgl-nixl: room %s: the decode gave it up before it got here: %s", room, reason)
         if msg.generation is not None and msg.ip:
             mgr.ack_abort_when_drained(room, msg.ip, msg.port, msg.generation)

@@ -35,9 +35,11 @@ class NixlPluginKVReceiver(CommonKVReceiver):
         for ep in endpoints:
             refused = mgr.refused_endpoints.get(ep)
             if refused is not None and refused[1] >= started:
-                mgr.record_failure(self.bootstrap_room, refused[0])
+                why = f"prefill {ep[0]}:{ep[1]} refused this decode: {refused[0]}"
+                mgr.record_failure(self.bootstrap_room, why)
                 mgr.update_status(self.bootstrap_room, KVPoll.Failed)
                 self.conclude_state = KVPoll.Failed
+                mgr.tell_prefills(self.bootstrap_room, endpoints, why)
                 return
 
     def send_metadata(self, *args: Any, **kwargs: Any) -> None:

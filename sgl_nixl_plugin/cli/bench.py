@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", action="store_true", help="print figures as JSON")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
     o.add_argument(
+        "--verbose", action="store_true",
+        help="show the ranks' INFO logs, NIXL's and SGLang's import-time warnings",
+    )
+    o.add_argument(
         "--metrics-port", type=int, metavar="PORT",
         help="serve the ranks' Prometheus metrics on 127.0.0.1:PORT/metrics while it runs",
     )
@@ -150,8 +154,22 @@ def _serve_metrics(port: int) -> None:
     print(f"metrics: http://127.0.0.1:{port}/metrics", file=sys.stderr)
 
 
+def _quiet_libraries(verbose: bool) -> None:
+    """Keep the progress bar and the table readable: the rank processes (they inherit this
+    environment) log at WARNING, NIXL at WARN, and SGLang's warnings about CUDA-only
+    quantization kernels, irrelevant to KV transfer, are dropped unless ``--verbose``."""
+    import os
+
+    if verbose:
+        os.environ["SGL_NIXL_BENCH_LOG"] = "INFO"
+        os.environ.setdefault("NIXL_LOG_LEVEL", "INFO")
+    else:
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _quiet_libraries(args.verbose)
     from sgl_nixl_plugin.bench.report import summarize, table
     from sgl_nixl_plugin.bench.session import SessionConfig
 

@@ -12,7 +12,7 @@ from typing import Annotated
 import msgspec
 
 #: Bumped on any incompatible change to these structs or to the framing in ``codec``.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Upper bounds that keep a hostile peer from making us allocate or loop without limit.
 MAX_REGIONS = 16384
@@ -43,14 +43,17 @@ class Region(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Compat(msgspec.Struct, frozen=True):
-    """What both sides must agree on; hashed, and named field by field on a mismatch."""
+    """What both sides must agree on; hashed, and named field by field on a mismatch.
+
+    Only what SGLang hands the manager on both sides before it is constructed: the head
+    split is not here (a decode's ``KVArgs`` has no head counts), the prefill derives the
+    decode's heads from its item length instead (``adapter.memory.decode_heads``).
+    """
 
     protocol_version: int
     kv_dtype: Name
     page_size: Annotated[int, msgspec.Meta(gt=0)]
     num_layers: NonNeg
-    total_kv_heads: NonNeg
-    head_bytes: NonNeg  # bytes of one head of one token (head_dim * dtype size); 0 for MLA
     is_mla: bool
 
 
@@ -78,7 +81,6 @@ class PeerRegistration(msgspec.Struct, frozen=True, tag="reg"):
     port: Port
     tp_rank: NonNeg
     tp_size: Annotated[int, msgspec.Meta(gt=0)]
-    kv_heads: NonNeg  # KV heads held by this rank
     kv: Annotated[list[Region], msgspec.Meta(max_length=MAX_REGIONS)]
     aux: Annotated[list[Region], msgspec.Meta(max_length=MAX_REGIONS)]
     state: Annotated[list[list[Region]], msgspec.Meta(max_length=MAX_REGIONS)] = []
@@ -149,6 +151,9 @@ class Abort(msgspec.Struct, frozen=True, tag="abort"):
     ip: Name = ""
     port: Port = 0
     generation: int | None = None
+    # why the decode gave the room up, when it did not ask for it (e.g. the prefill refused
+    # its registration): the prefill fails its side with this reason instead of a generic one
+    reason: Reason = ""
 
 
 class AbortAck(msgspec.Struct, frozen=True, tag="abort_ack"):

@@ -746,20 +746,23 @@ class _DecodeRank(_Rank):
 
     # -- commands ------------------------------------------------------------------------
     def do_submit(
-        self, reqs: list[Request], addr: str, short: list[int] | None = None
+        self, reqs: list[Request], addr: str, short: list[int] | None = None,
+        metadata: bool = True,
     ) -> dict[int, str]:
         """Allocate pages and send each request's metadata (``short`` rooms get one page
-        fewer than the prefill sends: a transfer the prefill must fail). Returns the rooms
-        that could not start, with why."""
+        fewer than the prefill sends: a transfer the prefill must fail; ``metadata=False``
+        stops after ``init``, as SGLang's decode does for a room that fails before its
+        pages are allocated). Returns the rooms that could not start, with why."""
         problems = {}
         for r in reqs:
-            why = self.start_room(r, addr, short=r.room in (short or ()))
+            why = self.start_room(r, addr, short=r.room in (short or ()), metadata=metadata)
             if why:
                 problems[r.room] = why
         return problems
 
     def start_room(
-        self, r: Request, addr: str, short: bool = False, zero: bool = True
+        self, r: Request, addr: str, short: bool = False, zero: bool = True,
+        metadata: bool = True,
     ) -> str | None:
         mgr, pools = self.mgr, self.pools
         if not mgr.try_ensure_parallel_info(addr):
@@ -779,7 +782,10 @@ class _DecodeRank(_Rank):
         receiver.init(0)
         state = [np.array([slot], dtype=np.int32)] if r.with_state else None
         sent = pages[:-1] if short else pages
-        receiver.send_metadata(sent, slot, state)
+        if not metadata:
+            sent = pages[:0]
+        else:
+            receiver.send_metadata(sent, slot, state)
         self.active[r.room] = _DRoom(r, receiver, pages, slot, len(sent), time.time())
         return None
 
