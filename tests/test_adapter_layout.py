@@ -41,7 +41,9 @@ def _kv_args(role: str, heads: int, buffers: list[np.ndarray]) -> KVArgs:
 
 
 def _buffers(heads: int) -> list[np.ndarray]:
-    return [np.zeros(8 * PAGE * heads * HEAD_DIM * DTYPE_BYTES, np.uint8) for _ in range(2 * LAYERS)]
+    return [
+        np.zeros(8 * PAGE * heads * HEAD_DIM * DTYPE_BYTES, np.uint8) for _ in range(2 * LAYERS)
+    ]
 
 
 @pytest.mark.parametrize("decode_tp", [1, 2, 4])
@@ -54,7 +56,9 @@ def test_a_decode_without_head_counts_is_compatible(decode_tp: int) -> None:
     assert not hasattr(decode, "kv_head_num")
     assert describe_mismatch(compat_of(prefill, False), compat_of(decode, False)) == ""
     layout = prefill_head_layout(prefill, False)
-    assert layout == HeadLayout(heads=TOTAL_HEADS, total=TOTAL_HEADS, head_bytes=HEAD_DIM * DTYPE_BYTES)
+    assert layout == HeadLayout(
+        heads=TOTAL_HEADS, total=TOTAL_HEADS, head_bytes=HEAD_DIM * DTYPE_BYTES
+    )
     heads = decode_heads(layout, PAGE, prefill.kv_item_lens[0], decode.kv_item_lens[0], decode_tp)
     assert heads == TOTAL_HEADS // decode_tp
 

@@ -72,7 +72,7 @@ def test_python_m_version() -> None:
     proc = subproc.run(subproc.python_argv("-m", "sgl_nixl_plugin", "version"))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0] == f"sgl-nixl-plugin {__version__}" == "sgl-nixl-plugin 0.4.0"
+    assert lines[0] == f"sgl-nixl-plugin {__version__}" == "sgl-nixl-plugin 0.4.1"
     assert lines[1].startswith("SGLang 0.5.23 (within the supported range")
     assert lines[2].startswith("NIXL 1.5")
 

@@ -192,14 +192,43 @@ class NixlPluginKVManager(CommonKVManager):
             except Exception as exc:  # never take the scheduler down: SGLang's own code doesn't
                 problem = f"{type(exc).__name__}: {exc}"
             logger.warning("sgl-nixl: bootstrap registration attempt %d/5 failed: %s", attempt, problem)
-            time.sleep(delay)
-            delay = min(delay * 2, 8.0)
+            if attempt < 5:
+                time.sleep(delay)
+                delay = min(delay * 2, 8.0)
         logger.error(
             "sgl-nixl: this prefill rank could not register with the bootstrap server at %s: %s",
             url, problem,
         )
 
     # -- sending control messages -------------------------------------------------------
+    def _connect(self, endpoint: str, is_ipv6: bool = False) -> Any:
+        """A cached PUSH socket per peer, replaced when its monitor saw it disconnect.
+
+        SGLang's own turns reconnection off (``RECONNECT_IVL`` -1): a message sent while a
+        decode was briefly gone leaves a socket that never connects, is never replaced (the
+        monitor reports disconnects only) and swallows every later message. Ours retries.
+        """
+        with self._socket_lock:
+            sock = self._socket_cache.get(endpoint)
+            if sock is not None and not _saw_disconnect(self._monitor_cache.get(endpoint)):
+                return sock
+            if sock is not None:
+                sock.close(linger=0)
+                monitor = self._monitor_cache.pop(endpoint, None)
+                if monitor is not None:
+                    monitor.close()
+            sock = self._zmq_ctx.socket(zmq.PUSH)
+            if is_ipv6:
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            self._socket_cache[endpoint] = sock
+            self._monitor_cache[endpoint] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._socket_send_locks.setdefault(endpoint, threading.Lock())
+            return sock
+
     def _send_multipart_locked(self, endpoint: str, parts: list, is_ipv6: bool = False) -> None:
         """Never block on a slow or dead peer: a full queue raises instead of waiting 30 s."""
         sock = self._connect(endpoint, is_ipv6=is_ipv6)
@@ -494,6 +523,19 @@ class NixlPluginKVManager(CommonKVManager):
         for t in threads:
             t.join(timeout=5)
         self.engine.close()
+
+
+def _saw_disconnect(monitor: Any) -> bool:
+    """Whether a socket's disconnect monitor reported since it was made (or is broken)."""
+    if monitor is None:
+        return False
+    try:
+        monitor.recv_multipart(zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    except zmq.ZMQError:
+        pass
+    return True
 
 
 def _rooms(rooms: list[int], limit: int = 8) -> str:

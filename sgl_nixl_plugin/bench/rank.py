@@ -11,6 +11,8 @@ import logging
 import os
 import time
 import traceback
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,7 @@ import numpy as np
 from sgl_nixl_plugin.bench.workload import (
     AUX_ITEM_BYTES,
     STATE_ITEM_BYTES,
+    ModelShape,
     PagePool,
     Request,
     Workload,
@@ -61,6 +64,10 @@ class RankSpec:
         return self.prefill_addrs[index % self.n_prefill]
 
 
+#: ``SGLANG_PLUGINS`` of an in-tree run: no general plugin loads, so SGLang's own nixl serves.
+INTREE_PLUGINS = "__none__"
+
+
 def _setup(spec: RankSpec) -> dict[str, Any]:
     """Publish SGLang's runtime config for this rank and fetch the backend's classes."""
     os.environ.update(spec.env)
@@ -79,6 +86,7 @@ def _setup(spec: RankSpec) -> dict[str, Any]:
         disaggregation_mode=spec.role if spec.role != "bootstrap" else "prefill",
         disaggregation_transfer_backend="nixl",
         disaggregation_bootstrap_port=spec.bootstrap_port,
+        kv_cache_dtype=kv_cache_dtype_arg(w.shape),
     )
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=spec.tp_rank, gpu_id=spec.gpu_id))
     get_parallel().override_permanently(pp_group=None)
@@ -95,7 +103,10 @@ def _setup(spec: RankSpec) -> dict[str, Any]:
 class Pools:
     """KV, aux and state buffers of one rank (numpy for DRAM, torch for VRAM)."""
 
-    def __init__(self, spec: RankSpec) -> None:
+    def __init__(self, spec: RankSpec, aux_item_bytes: Sequence[int] = AUX_ITEM_BYTES) -> None:
+        """``aux_item_bytes``: one metadata buffer per entry, of that many bytes a row. The
+        bench's loops use the default two (output ids, bootstrap_room); another layout
+        (e.g. that of SGLang's ``MetadataBuffers``) is for checking the ``KVArgs`` only."""
         w = spec.workload
         self.shape = w.shape
         self.page_size = w.page_size
@@ -115,7 +126,9 @@ class Pools:
                 for _ in range(w.shape.regions())
             ]
             self.kv_ptrs = [t.data_ptr() for t in self._t]
-            self._st = torch.zeros(self.aux_rows * STATE_ITEM_BYTES, dtype=torch.uint8, device=f"cuda:{spec.gpu_id}")
+            self._st = torch.zeros(
+                self.aux_rows * STATE_ITEM_BYTES, dtype=torch.uint8, device=f"cuda:{spec.gpu_id}"
+            )
             self.state_ptr = self._st.data_ptr()
         else:
             # np.full touches every page now, so page faults don't land inside transfers
@@ -124,9 +137,11 @@ class Pools:
             self.state = np.zeros(self.aux_rows * STATE_ITEM_BYTES, dtype=np.uint8)
             self.state_ptr = self.state.ctypes.data
         self.kv_len = nbytes
-        self.aux = [np.zeros(self.aux_rows * n, dtype=np.uint8) for n in AUX_ITEM_BYTES]
+        self.aux_item_bytes = tuple(aux_item_bytes)
+        self.aux = [np.zeros(self.aux_rows * n, dtype=np.uint8) for n in self.aux_item_bytes]
         self.global_heads = (
-            np.zeros(1, np.int64) if w.shape.mla
+            np.zeros(1, np.int64)
+            if w.shape.mla
             else spec.tp_rank * self.heads + np.arange(self.heads)
         )
 
@@ -137,7 +152,11 @@ class Pools:
 
             t = self._t[r].view(torch.int32)
             return t.view(self.pages, self.page_size, self.heads, self.head_words)
-        return self.kv[r].view(np.uint32).reshape(self.pages, self.page_size, self.heads, self.head_words)
+        return (
+            self.kv[r]
+            .view(np.uint32)
+            .reshape(self.pages, self.page_size, self.heads, self.head_words)
+        )
 
     def fill(self, room: int, pages: np.ndarray) -> None:
         n = np.arange(len(pages))
@@ -165,7 +184,12 @@ class Pools:
             if self.mem_kind == "VRAM":
                 import torch
 
-                got = view[torch.as_tensor(pages, device=view.device, dtype=torch.long)].cpu().numpy().view(np.uint32)
+                got = (
+                    view[torch.as_tensor(pages, device=view.device, dtype=torch.long)]
+                    .cpu()
+                    .numpy()
+                    .view(np.uint32)
+                )
             else:
                 got = view[pages]
             bad += int(np.count_nonzero((got != pat).reshape(len(pages), -1).any(axis=1)))
@@ -177,62 +201,114 @@ class Pools:
         return self.state[slot * STATE_ITEM_BYTES : (slot + 1) * STATE_ITEM_BYTES]
 
     def kv_args(self, kvargs_cls: Any, spec: RankSpec) -> Any:
+        """SGLang's ``KVArgs`` for this rank, as SGLang 0.5.23 hands it to the manager.
+
+        Exactly the fields ``PrefillBootstrapQueue._init_kv_manager`` (prefill.py) or
+        ``DecodePreallocQueue._init_kv_manager`` (decode.py) set before they construct the
+        manager, with the values they compute for a pool like this one: a plain MHA/MLA
+        pool, or, with ``workload.state``, a hybrid (linear-attention) pool whose attention
+        layers are these regions and whose one state component is the per-request slot.
+        A field SGLang does not set on that side stays unset: ``KVArgs`` only annotates it,
+        so reading it raises ``AttributeError``, as it would in a real server.
+        tests/test_kvargs_contract.py checks this against SGLang's own methods.
+        """
         from sglang.srt.disaggregation.base.conn import StateType
 
+        if spec.role not in ("prefill", "decode"):
+            raise ValueError(f"a {spec.role} rank has no KV pool")
         w = spec.workload
-        a = kvargs_cls()
+        shape = w.shape
+        prefill = spec.role == "prefill"
+        hybrid = w.state  # SGLang reports a per-request state only for a hybrid pool
+        # what SGLang's is_mla_backend(pool) answers: a hybrid pool is never MLA to it
+        mla_pool = shape.mla and not hybrid
         n = len(self.kv_ptrs)
-        a.engine_rank = spec.tp_rank
+        a = kvargs_cls()
+        a.engine_rank = spec.tp_rank % spec.tp_size  # attention TP == TP: no DP attention
+        a.pp_rank = 0
+        a.system_dp_rank = None  # SGLang's DP rank; None without a DP controller
+        a.kv_cache_dtype_str = kv_cache_dtype_str(shape)
+        a.kv_layout = None  # only DeepSeek V4 pools have a PD layout name
         a.kv_data_ptrs = list(self.kv_ptrs)
         a.kv_data_lens = [self.kv_len] * n
         a.kv_item_lens = [self.item_len] * n
-        a.kv_layer_ids = list(range(w.shape.layers)) * (n // w.shape.layers)
-        a.kv_cache_dtype_str = w.shape.dtype
-        a.kv_layout = None
-        a.kv_data_mem_kinds = [spec.mem_kind] * n
+        a.num_draft_entries = 0
+        # Layer ids come only from hybrid pools (K regions then V regions); plain pools: []
+        a.kv_layer_ids = list(range(shape.layers)) * (n // shape.layers) if hybrid else []
+        a.page_size = w.page_size
         a.aux_data_ptrs = [b.ctypes.data for b in self.aux]
         a.aux_data_lens = [b.nbytes for b in self.aux]
-        a.aux_item_lens = list(AUX_ITEM_BYTES)
-        if w.state:
-            a.state_types = [StateType.MAMBA]
-            a.state_data_ptrs = [[self.state_ptr]]
-            a.state_data_lens = [[self.aux_rows * STATE_ITEM_BYTES]]
-            a.state_item_lens = [[STATE_ITEM_BYTES]]
-            a.state_layer_ids = [[0]]
-            a.state_dim_per_tensor = [[0]]
-            a.state_slice_outer_counts = [[1]]
-            a.state_conv_shard_groups = [[None]]
-        else:
-            a.state_types, a.state_data_ptrs, a.state_data_lens = [], [], []
-            a.state_item_lens, a.state_layer_ids, a.state_dim_per_tensor = [], [], []
-            a.state_slice_outer_counts, a.state_conv_shard_groups = [], []
-        a.swa_kv_cache_layout = None
-        a.is_hybrid_mla_backend = False
+        a.aux_item_lens = list(self.aux_item_bytes)
         a.ib_device = None
         a.gpu_id = spec.gpu_id
-        a.kv_head_num = self.heads
-        a.total_kv_head_num = w.shape.kv_heads
-        a.page_size = w.page_size
-        a.system_dp_rank = 0
-        a.rust_http_port = None
-        a.pp_rank = 0
-        a.prefill_start_layer = 0
-        a.prefill_end_layer = None
+        if prefill:
+            a.rust_http_port = None
+            a.prefill_start_layer = 0
+            # KVCache.end_layer is the pool's last layer (inclusive); a hybrid pool has none
+            a.prefill_end_layer = None if hybrid else shape.layers - 1
+            if not mla_pool:  # head counts: a prefill's, of a pool SGLang does not call MLA
+                a.kv_head_num = self.heads
+                a.total_kv_head_num = shape.kv_heads
+        else:
+            # SGLang labels a decode's KV pool VRAM for NIXL whatever the device
+            a.kv_data_mem_kinds = ["VRAM"] * n
+        if spec.mem_kind == "DRAM" and spec.env.get("SGLANG_PLUGINS") == INTREE_PLUGINS:
+            # SGLang's in-tree backend believes the label (a prefill without one: VRAM) and
+            # UCX refuses host memory as VRAM: it can only run on DRAM with the label fixed,
+            # as the real-server stage's control run does (tests/realserver/shims).
+            a.kv_data_mem_kinds = ["DRAM"] * n
+        # setup_state_kv_args (disaggregation/utils.py)
+        a.state_types, a.state_data_ptrs, a.state_data_lens = [], [], []
+        a.state_item_lens, a.state_layer_ids, a.state_dim_per_tensor = [], [], []
+        a.state_slice_outer_counts, a.state_conv_shard_groups = [], []
+        a.is_hybrid_mla_backend = hybrid and shape.mla
+        a.swa_kv_cache_layout = None
         a.mla_compression_ratios = None
-        a.kv_buf_groups = 1
-        a.hidden_kv_layers = 0
-        a.draft_kv_layers = 0
-        a.num_draft_entries = 0
+        if hybrid:
+            # one replicated per-request state tensor (dim 0: not sliced across TP), of a
+            # state layer numbered after the attention layers
+            a.state_types.append(StateType.MAMBA)
+            a.state_data_ptrs.append([self.state_ptr])
+            a.state_data_lens.append([self.aux_rows * STATE_ITEM_BYTES])
+            a.state_item_lens.append([STATE_ITEM_BYTES])
+            a.state_dim_per_tensor.append([0])
+            a.state_conv_shard_groups.append([None])
+            a.state_slice_outer_counts.append([1])
+            a.state_layer_ids.append([shape.layers])
         return a
+
+
+def kv_cache_dtype_arg(shape: ModelShape) -> str:
+    """The ``--kv-cache-dtype`` a server of ``shape`` runs with: ``auto`` keeps the model's
+    dtype (a bfloat16/float16/float32 pool); an fp8 pool of an unquantized model asks."""
+    return "fp8_e4m3" if shape.dtype == "fp8_e4m3" else "auto"
+
+
+def kv_cache_dtype_str(shape: ModelShape) -> str:
+    """SGLang's ``ModelRunner.kv_cache_dtype_str`` for that server: the dtype it resolved
+    (fp8 for an FP8-quantized checkpoint under ``auto``), else the argument as given, so
+    ``auto`` for a pool in the model's own dtype."""
+    if shape.dtype in ("fp8_e4m3", "float8_e4m3fn"):
+        return "fp8_e4m3"
+    return kv_cache_dtype_arg(shape)
 
 
 def _tables(mgr: Any) -> dict[str, int]:
     """Sizes of every per-room table (they must all return to zero)."""
     names = [
-        "request_status", "failure_records", "transfer_infos", "req_to_decode_prefix_len",
-        "_staging_outstanding", "_deferred_ack_targets", "room_seen", "room_endpoints",
-        "required_prefill_response_num_table", "prefill_response_tracker",
-        "_deferred_abort_ack_tracker", "remote_free", "metadata_targets",
+        "request_status",
+        "failure_records",
+        "transfer_infos",
+        "req_to_decode_prefix_len",
+        "_staging_outstanding",
+        "_deferred_ack_targets",
+        "room_seen",
+        "room_endpoints",
+        "required_prefill_response_num_table",
+        "prefill_response_tracker",
+        "_deferred_abort_ack_tracker",
+        "remote_free",
+        "metadata_targets",
     ]
     out = {n: len(getattr(mgr, n)) for n in names if isinstance(getattr(mgr, n, None), dict)}
     if hasattr(mgr, "staged_fallbacks"):
@@ -289,7 +365,9 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
     collector = _Collector()
     registry.get_plugin_manager().register(collector)
     is_mla = spec.workload.shape.mla
-    mgr = cls["manager"](pools.kv_args(cls["kvargs"], spec), DisaggregationMode.PREFILL, env["server_args"], is_mla)
+    mgr = cls["manager"](
+        pools.kv_args(cls["kvargs"], spec), DisaggregationMode.PREFILL, env["server_args"], is_mla
+    )
     w = spec.workload
     pool = PagePool(pools.pages, seed=w.seed + 17 * spec.instance + 1)
     slots = list(range(1, pools.aux_rows))
@@ -319,8 +397,17 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
                     row.copy_(torch.from_numpy(pat))
                 else:
                     row[:] = pat
-            sender = cls["sender"](mgr=mgr, bootstrap_addr=f"127.0.0.1:{spec.bootstrap_port}", bootstrap_room=r.room)
-            active[r.room] = {"req": r, "sender": sender, "pages": pages, "slot": slot, "sent": False, "t0": time.perf_counter()}
+            sender = cls["sender"](
+                mgr=mgr, bootstrap_addr=f"127.0.0.1:{spec.bootstrap_port}", bootstrap_room=r.room
+            )
+            active[r.room] = {
+                "req": r,
+                "sender": sender,
+                "pages": pages,
+                "slot": slot,
+                "sent": False,
+                "t0": time.perf_counter(),
+            }
         for room, ctx in list(active.items()):
             sender, r = ctx["sender"], ctx["req"]
             status = sender.poll()
@@ -337,7 +424,11 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
                     t = time.perf_counter()
                     i, parts = ctx["next"], ctx["parts"]
                     last = i == len(parts) - 1
-                    state = [np.array([ctx["slot"]], dtype=np.int32)] if (last and r.with_state) else None
+                    state = (
+                        [np.array([ctx["slot"]], dtype=np.int32)]
+                        if (last and r.with_state)
+                        else None
+                    )
                     sender.send(parts[i].astype(np.int32), state_indices=state)
                     ctx["control_us"] += (time.perf_counter() - t) * 1e6
                     ctx["next"], ctx["next_at"] = i + 1, t + w.chunk_gap_ms * 1e-3
@@ -394,7 +485,9 @@ def run_decode(
     cls = env["classes"]
     pools = Pools(spec)
     is_mla = spec.workload.shape.mla
-    mgr = cls["manager"](pools.kv_args(cls["kvargs"], spec), DisaggregationMode.DECODE, env["server_args"], is_mla)
+    mgr = cls["manager"](
+        pools.kv_args(cls["kvargs"], spec), DisaggregationMode.DECODE, env["server_args"], is_mla
+    )
     w = spec.workload
     pool = PagePool(pools.pages, seed=w.seed + 31 * spec.instance + 7 * spec.tp_rank + 2)
     slots = list(range(1, pools.aux_rows))
@@ -432,21 +525,33 @@ def run_decode(
             t0 = time.perf_counter()
             receiver.send_metadata(pages, slot, state)
             active[r.room] = {
-                "req": r, "receiver": receiver, "pages": pages, "slot": slot, "t0": t0,
+                "req": r,
+                "receiver": receiver,
+                "pages": pages,
+                "slot": slot,
+                "t0": t0,
                 "wall0": time.time(),
             }
         for room, ctx in list(active.items()):
             receiver, r = ctx["receiver"], ctx["req"]
             status = receiver.poll()
             # SGLang's metadata gate: Success only counts once the bootstrap_room aux row landed.
-            if status == KVPoll.Success and not pools.aux[1][ctx["slot"] * AUX_ITEM_BYTES[1]:(ctx["slot"] + 1) * AUX_ITEM_BYTES[1]].any():
+            if (
+                status == KVPoll.Success
+                and not pools.aux[1][
+                    ctx["slot"] * AUX_ITEM_BYTES[1] : (ctx["slot"] + 1) * AUX_ITEM_BYTES[1]
+                ].any()
+            ):
                 continue
             if status not in (KVPoll.Success, KVPoll.Failed):
                 continue
             latency = time.perf_counter() - ctx["t0"]
             res: dict[str, Any] = {
-                "ok": status == KVPoll.Success, "latency_s": latency, "reason": None,
-                "wall0": ctx["wall0"], "wall1": time.time(),
+                "ok": status == KVPoll.Success,
+                "latency_s": latency,
+                "reason": None,
+                "wall0": ctx["wall0"],
+                "wall1": time.time(),
             }
             if status == KVPoll.Failed:
                 try:
@@ -460,13 +565,19 @@ def run_decode(
                     res["bad_pages"] = pools.check(room, ctx["pages"])
                     slot = ctx["slot"]
                     res["bad_aux"] = sum(
-                        int(not np.array_equal(buf[slot * n : (slot + 1) * n], aux_pattern(room, b, n)))
+                        int(
+                            not np.array_equal(
+                                buf[slot * n : (slot + 1) * n], aux_pattern(room, b, n)
+                            )
+                        )
                         for b, (buf, n) in enumerate(zip(pools.aux, AUX_ITEM_BYTES, strict=False))
                     )
                     if r.with_state:
                         row = pools.state_row(slot)
                         got = row.cpu().numpy() if spec.mem_kind == "VRAM" else row
-                        res["bad_state"] = int(not np.array_equal(got, state_pattern(room, STATE_ITEM_BYTES)))
+                        res["bad_state"] = int(
+                            not np.array_equal(got, state_pattern(room, STATE_ITEM_BYTES))
+                        )
             results[room] = res
             if progress is not None:
                 progress(len(results))
@@ -511,6 +622,9 @@ def rank_main(spec: RankSpec, out: Any, done: Any, release: Any = None) -> None:
 
     try:
         logging.basicConfig(level=os.environ.get("SGL_NIXL_BENCH_LOG", "WARNING"))
+        if logging.getLogger().getEffectiveLevel() > logging.INFO:
+            # SGLang warns at import that its CUDA-only quantization kernels are unavailable
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang\.")
         env = _setup(spec)
         if spec.role == "prefill":
             result = run_prefill(spec, env, done)

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sgl_nixl_plugin.bench.rank import RankSpec, rank_main
+from sgl_nixl_plugin.bench.rank import INTREE_PLUGINS, RankSpec, rank_main
 from sgl_nixl_plugin.bench.workload import Workload
 
 LOOPBACK_ENV = {
@@ -93,7 +93,7 @@ class SessionResult:
 def _specs(cfg: SessionConfig) -> tuple[list[RankSpec], list[str]]:
     env = {**LOOPBACK_ENV, **cfg.env}
     if cfg.backend == "in-tree":
-        env["SGLANG_PLUGINS"] = "__none__"  # exclude our plugin: SGLang's own nixl classes
+        env["SGLANG_PLUGINS"] = INTREE_PLUGINS  # exclude our plugin: SGLang's own nixl classes
     ports = [free_port() for _ in range(cfg.n_prefill)]
     addrs = [f"127.0.0.1:{p}" for p in ports]
     specs = []

@@ -37,7 +37,7 @@ def _driver() -> Any:
 
 
 def pointer_kind(ptr: int) -> str | None:
-    """"VRAM" or "DRAM" for ``ptr``; None when this process cannot tell (CUDA without a
+    """The kind of ``ptr``: "VRAM" or "DRAM"; None when this process cannot tell (CUDA without a
     driver binding installed), so the caller falls back to what SGLang says."""
     if not _cuda_present():
         return "DRAM"
@@ -50,7 +50,10 @@ def pointer_kind(ptr: int) -> str | None:
         )
         if err == driver.CUresult.CUDA_SUCCESS:
             return "VRAM" if int(value) in _DEVICE_TYPES else "DRAM"
-        unseen = (driver.CUresult.CUDA_ERROR_INVALID_VALUE, driver.CUresult.CUDA_ERROR_NOT_INITIALIZED)
+        unseen = (
+            driver.CUresult.CUDA_ERROR_INVALID_VALUE,
+            driver.CUresult.CUDA_ERROR_NOT_INITIALIZED,
+        )
     except Exception:  # a binding of another shape: let SGLang's label decide
         return None
     return "DRAM" if err in unseen else None  # memory CUDA has never seen is plain host memory
