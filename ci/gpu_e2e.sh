@@ -17,8 +17,11 @@ for d in .whl .sglwhl; do
   fi
 done
 PYTHONPATH=/tmp/site python3 -c "import nixl, sglang" 2>/dev/null || { echo "nixl or sglang missing in /tmp/site"; exit 1; }
-# Our package with its dist-info, so SGLang's load_plugins() discovers the entry point.
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/plugin . || exit 1
+# Our package with its dist-info, so SGLang's load_plugins() discovers the entry point: the
+# wheel ci/gpu_wheels.sh put in .sglwhl (installed above), else built here.
+if ! ls .sglwhl/sgl_nixl_plugin-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/plugin . || exit 1
+fi
 export PYTHONPATH=/tmp/plugin:/tmp/site:$PWD/ci/gpu_stubs  # gpu_stubs: see its docstring
 export PYTHONUNBUFFERED=1 SGLANG_HOST_IP=127.0.0.1
 NGPU=$(nvidia-smi -L | wc -l)

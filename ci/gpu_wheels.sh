@@ -3,8 +3,9 @@
 # root, on a machine with pip and network:
 #
 #     bash ci/gpu_wheels.sh          # .whl: NIXL (CUDA 13), pyzmq, msgspec       (~58 MiB)
-#     bash ci/gpu_wheels.sh sglang   # .sglwhl: SGLang 0.5.23 for cp312 and the light packages
-#                                    #   its disaggregation layer imports that the GPU image lacks
+#     bash ci/gpu_wheels.sh sglang   # .sglwhl: SGLang 0.5.23 for cp312, the light packages its
+#                                    #   disaggregation layer imports that the GPU image lacks,
+#                                    #   and this checkout as a wheel (rebuild after a change)
 #
 # Both folders are git-ignored through .git/info/exclude (added here). One device call carries
 # at most 64 MiB: send .whl and .sglwhl in two calls to the same warm machine (ci/gpu_e2e.sh
@@ -24,7 +25,13 @@ if [[ ${1:-} == sglang ]]; then
     # GPU image does not have (see ci/requirements-sglang-light.txt for why each is there)
     python3 -m pip download -q "${bin[@]}" -d .sglwhl \
         apache-tvm-ffi==0.1.11 orjson pybase64 pydantic pydantic-core annotated-types \
-        typing-inspection compressed-tensors gguf dill starlette
+        typing-inspection compressed-tensors gguf dill starlette \
+        ipython decorator jedi parso matplotlib-inline traitlets pexpect ptyprocess \
+        prompt-toolkit wcwidth stack-data executing asttokens pure-eval ipython-pygments-lexers \
+        loguru
+    # this checkout, as a wheel: the GPU image's setuptools may predate our pyproject
+    rm -f .sglwhl/sgl_nixl_plugin-*.whl
+    python3 -m pip wheel -q --no-deps -w .sglwhl .
     du -sh .sglwhl
 else
     mkdir -p .whl

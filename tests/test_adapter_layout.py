@@ -103,3 +103,36 @@ def test_memory_kind_comes_from_the_pointer_on_both_sides() -> None:
     assert kv_mem_kind(decode, "cuda") == "DRAM"
     assert kv_mem_kind(prefill, "cuda") == "DRAM"
     assert kv_mem_kind(decode, "cpu", override="VRAM") == "VRAM"  # an explicit setting wins
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs CUDA")
+def test_memory_kind_of_device_and_pinned_pointers() -> None:
+    """On a GPU host the driver tells: device tensors are VRAM on both sides (a prefill has
+    no label at all), pinned and plain host memory DRAM even under a VRAM label."""
+    import torch
+
+    from sgl_nixl_plugin.engine.mem_kind import pointer_kind
+
+    torch.cuda.set_device(0)
+    dev = [torch.zeros(4096, dtype=torch.uint8, device="cuda") for _ in range(2 * LAYERS)]
+    pinned = torch.zeros(4096, dtype=torch.uint8).pin_memory()
+    assert pointer_kind(dev[0].data_ptr()) == "VRAM"
+    assert pointer_kind(pinned.data_ptr()) == "DRAM"
+    assert pointer_kind(np.zeros(4096, np.uint8).ctypes.data) == "DRAM"
+    decode = _kv_args("decode", 2, _buffers(2))
+    decode.kv_data_ptrs = [t.data_ptr() for t in dev]
+    prefill = _kv_args("prefill", 2, _buffers(2))
+    prefill.kv_data_ptrs = [t.data_ptr() for t in dev]
+    assert kv_mem_kind(decode, "cuda") == "VRAM"
+    assert kv_mem_kind(prefill, "cuda") == "VRAM"
+    host = _kv_args("decode", 2, _buffers(2))  # numpy pools under SGLang's VRAM label
+    assert kv_mem_kind(host, "cuda") == "DRAM"
