@@ -37,8 +37,12 @@ fi
 
     echo "setup_env: installing into $venv (quiet; errors are shown)" >&2
     python -m pip install "${pip_q[@]}" -U pip
-    # One resolver run for our package and the light set, so torch lands on SGLang's pin.
-    python -m pip install "${pip_q[@]}" -e "$root[test]" -r "$root/ci/requirements-sglang-light.txt"
+    # One resolver run for our package, the light set and the real-server set (what real
+    # `sglang.launch_server` processes import on top; tests/realserver), so torch lands on
+    # SGLang's pin.
+    python -m pip install "${pip_q[@]}" -e "$root[test]" \
+        -r "$root/ci/requirements-sglang-light.txt" \
+        -r "$root/ci/requirements-sglang-server.txt"
     # SGLang's declared dependencies include CUDA-only kernels; we import only its Python layer.
     python -m pip install "${pip_q[@]}" --no-deps "sglang==0.5.23"
     if ! python -W ignore -c 'import sgl_nixl_plugin, sglang.srt.plugins' >/dev/null; then

@@ -8,10 +8,12 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from sgl_nixl_plugin import env
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: Multiplies every subprocess (and scenario-test) timeout; raise it on an overloaded machine,
-#: where one SGLang import alone can take minutes (e.g. SGL_NIXL_PLUGIN_TEST_TIMEOUT_SCALE=3).
-TIMEOUT_SCALE = max(1.0, float(os.environ.get("SGL_NIXL_PLUGIN_TEST_TIMEOUT_SCALE", "1") or 1))
+#: where one SGLang import alone can take minutes (e.g. SGLANG_NIXL_PLUGIN_TEST_TIMEOUT_SCALE=3).
+TIMEOUT_SCALE = max(1.0, float(env.get("TEST_TIMEOUT_SCALE", "1")))
 TIMEOUT_S = 120 * TIMEOUT_SCALE
 #: pytest-timeout for a test that waits on scenarios queued behind others on a small pool.
 SCENARIO_TEST_TIMEOUT_S = int(TIMEOUT_S * 5)

@@ -1,0 +1,263 @@
+"""Real SGLang 0.5.23 servers on 127.0.0.1: a reference server, a prefill/decode pair, the router.
+
+Everything a server needs to run on a CPU-only host, in one place:
+
+* flags ``--device cpu --attention-backend torch_native --disable-cuda-graph
+  --disable-overlap-schedule`` and env ``SGLANG_USE_CPU_ENGINE=1``; decode also needs
+  ``--disaggregation-decode-retraction-backup cpu_tensor`` (the default backup pins a host
+  pool with ``cudaHostRegister``: "Found no NVIDIA driver on your system");
+* ``--dtype float32`` (with ``auto`` SGLang runs this float32 checkpoint in float16 on CPU)
+  and ``--max-total-tokens`` (otherwise the KV pool is sized from host RAM: ~16 GB and 16 s
+  per server); every server, the reference included, uses the same flags and
+  ``--chunked-prefill-size``, so all of them compute the same numbers;
+* ``tests/realserver/shims`` (the ``sgl_kernel`` stand-in) on the servers' PYTHONPATH;
+* ``SGLANG_HOST_IP=127.0.0.1``: the address SGLang (and the plugin) give their KV control
+  sockets, otherwise auto-detected from the machine's interfaces; ``GLOO_SOCKET_IFNAME=lo``
+  and ``UCX_NET_DEVICES=lo`` keep gloo's and UCX's listeners on loopback too. The one
+  listener left on the wildcard address is torch.distributed's TCPStore in each scheduler
+  (c10d binds it so; clients reach it at 127.0.0.1), which no setting moves;
+* TP 2: ``SGLANG_CPU_OMP_THREADS_BIND`` gives each rank its own cores, and
+  ``SGLANG_NCCL_SO_PATH`` names a library that does not exist: SGLang's ``PyNcclCommunicator``
+  then disables itself ("expected if you are not running on NVIDIA/AMD/MTHREADS GPUs")
+  instead of calling ``torch.cuda.device`` on a CPU, and all-reduce runs over gloo;
+* which transfer backend: ``plugin`` leaves SGLang's plugin discovery alone (our entry point
+  ``sgl_nixl_plugin`` is loaded); ``in-tree`` sets ``SGLANG_PLUGINS=realserver_intree_dram``,
+  a whitelist naming only the control shim (shims/intree_dram), so SGLang skips our plugin
+  and runs its own nixl classes with the pool relabelled DRAM. The reference server sets
+  ``SGLANG_PLUGINS=__none__`` (a whitelist that matches nothing): plain SGLang.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from helpers.subproc import TIMEOUT_SCALE  # the suite's one knob for slow machines
+
+from .procs import ManagedProcess, ProcessGroup, free_ports, wait_http_ok
+
+HERE = Path(__file__).resolve().parent
+SHIMS = HERE / "shims"
+INTREE_DRAM_PLUGIN = "realserver_intree_dram"
+INTREE_DRAM_MARKER = "realserver-shim: in-tree nixl KV regions relabelled DRAM"
+#: Negative-control shim (shims/kv_damage), loaded next to our plugin on one decode server.
+KV_DAMAGE_PLUGIN = "realserver_kv_damage"
+KV_DAMAGE_MARKER = "realserver-shim: damaged received KV"
+#: Test-only SGLang plugins by entry-point name, and the folder holding each one's dist-info.
+SHIM_PLUGINS = {INTREE_DRAM_PLUGIN: SHIMS / "intree_dram", KV_DAMAGE_PLUGIN: SHIMS / "kv_damage"}
+
+SERVER_READY_S = 240 * TIMEOUT_SCALE
+ROUTER_READY_S = 60 * TIMEOUT_SCALE
+PROCESS_DEADLINE_S = 900 * TIMEOUT_SCALE
+REQUEST_TIMEOUT_S = 180 * TIMEOUT_SCALE
+
+#: Every server, reference included, uses these (same numerics everywhere).
+CHUNKED_PREFILL = 64
+MAX_TOTAL_TOKENS = 8192
+CPU_FLAGS = (
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--disable-cuda-graph",
+    "--disable-overlap-schedule",
+    "--dtype", "float32",
+    "--max-total-tokens", str(MAX_TOTAL_TOKENS),
+    "--chunked-prefill-size", str(CHUNKED_PREFILL),
+    "--log-level", "info",
+)  # fmt: skip
+
+#: Inherited variables that would change which backend or plugins a server runs.
+_SCRUBBED_PREFIXES = ("SGLANG_", "SGL_NIXL_PLUGIN_", "SGLANG_NIXL_PLUGIN_", "UCX_", "NIXL_")
+_KEEP = ("SGL_NIXL_PLUGIN_TEST_TIMEOUT_SCALE",)
+
+
+def cpu_bind(tp: int) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``tp`` ranks: this process's cores, split evenly."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tp:
+        cores = (cores * tp)[:tp]  # share cores rather than fail on a tiny machine
+    size = len(cores) // tp
+    groups = [cores[i * size : (i + 1) * size] for i in range(tp)]
+    return "|".join(",".join(str(c) for c in g) for g in groups)
+
+
+def server_env(
+    backend: str, tp: int, tmp: Path, extra_plugins: Sequence[str] = ()
+) -> dict[str, str]:
+    """Environment of one server process; ``backend`` is reference, plugin or in-tree.
+
+    ``extra_plugins``: test-only SGLang plugins (keys of ``SHIM_PLUGINS``) loaded as well.
+    """
+    env = {
+        k: v for k, v in os.environ.items() if k in _KEEP or not k.startswith(_SCRUBBED_PREFIXES)
+    }
+    if backend == "in-tree":
+        plugins = [INTREE_DRAM_PLUGIN, *extra_plugins]
+    elif backend == "plugin":
+        # Our plugin through SGLang's normal discovery: no whitelist unless a shim joins it.
+        plugins = ["sgl_nixl_plugin", *extra_plugins] if extra_plugins else []
+    elif backend == "reference":
+        plugins = ["__none__"]  # a whitelist that matches nothing: plain SGLang
+    else:
+        raise ValueError(backend)
+    if plugins:
+        env["SGLANG_PLUGINS"] = ",".join(plugins)
+    pythonpath = [str(SHIM_PLUGINS[p]) for p in plugins if p in SHIM_PLUGINS]
+    pythonpath.append(str(SHIMS))
+    if env.get("PYTHONPATH"):
+        pythonpath.append(env["PYTHONPATH"])
+    env.update(
+        PYTHONPATH=os.pathsep.join(pythonpath),
+        SGLANG_USE_CPU_ENGINE="1",
+        SGLANG_HOST_IP="127.0.0.1",
+        # Loopback only for the sockets SGLang does not place itself: gloo's (TP groups) and
+        # UCX's (under NIXL), which otherwise listen on every interface's address.
+        GLOO_SOCKET_IFNAME="lo",
+        UCX_NET_DEVICES="lo",
+        SGLANG_CPU_OMP_THREADS_BIND=cpu_bind(tp),
+        SGLANG_NCCL_SO_PATH=str(tmp / "no-nccl-on-this-cpu-host" / "libnccl.so.2"),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_HOME=str(tmp / "hf-home"),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        PYTHONWARNINGS="ignore",
+    )
+    return env
+
+
+def server_argv(model: Path, port: int, tp: int, page: int, extra: Sequence[str]) -> list[str]:
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(model),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--tp-size", str(tp),
+        "--page-size", str(page),
+        *CPU_FLAGS,
+    ]  # fmt: skip
+    if tp > 1:
+        argv.append("--disable-custom-all-reduce")
+    return argv + list(extra)
+
+
+@dataclass
+class Server:
+    proc: ManagedProcess
+    port: int
+    ready_s: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass
+class PDStack:
+    backend: str
+    tp: int
+    page: int
+    prefill: Server
+    decode: Server
+    router: Server
+    bootstrap_port: int
+    startup_s: float = 0.0
+    procs: list[ManagedProcess] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+
+class Launcher:
+    """Starts servers into one :class:`ProcessGroup` (one per test module)."""
+
+    def __init__(self, group: ProcessGroup, model: Path, tmp: Path) -> None:
+        self.group = group
+        self.model = model
+        self.tmp = tmp
+
+    def _server(
+        self,
+        name: str,
+        backend: str,
+        tp: int,
+        page: int,
+        extra: Sequence[str] = (),
+        plugins: Sequence[str] = (),
+    ) -> Server:
+        (port,) = free_ports(1)
+        argv = server_argv(self.model, port, tp, page, extra)
+        env = server_env(backend, tp, self.tmp, plugins)
+        return Server(self.group.start(name, argv, env, PROCESS_DEADLINE_S), port)
+
+    def _await(self, servers: Sequence[Server], path: str, timeout_s: float) -> None:
+        for s in servers:
+            others = [o.proc for o in servers if o is not s]
+            s.ready_s = wait_http_ok(s.url + path, s.proc, timeout_s, others)
+
+    def reference(self, tp: int, page: int = 1) -> Server:
+        server = self._server(f"reference-tp{tp}", "reference", tp, page)
+        self._await([server], "/health", SERVER_READY_S)
+        return server
+
+    def pd(self, backend: str, tp: int, page: int, decode_plugins: Sequence[str] = ()) -> PDStack:
+        """Prefill + decode (started together) and the router; ``decode_plugins``: extra
+        test-only SGLang plugins for the decode server (the negative control)."""
+        tag = f"{backend}-tp{tp}-p{page}" + "".join(f"-{p}" for p in decode_plugins)
+        started = time.monotonic()
+        bootstrap, decode_bootstrap = free_ports(2)
+        prefill = self._server(
+            f"prefill-{tag}", backend, tp, page,
+            ["--disaggregation-mode", "prefill",
+             "--disaggregation-transfer-backend", "nixl",
+             "--disaggregation-bootstrap-port", str(bootstrap)],
+        )  # fmt: skip
+        decode = self._server(
+            f"decode-{tag}", backend, tp, page,
+            ["--disaggregation-mode", "decode",
+             "--disaggregation-transfer-backend", "nixl",
+             "--disaggregation-bootstrap-port", str(decode_bootstrap),
+             "--disaggregation-decode-retraction-backup", "cpu_tensor"],
+            plugins=decode_plugins,
+        )  # fmt: skip
+        self._await([prefill, decode], "/health", SERVER_READY_S)
+        (router_port,) = free_ports(1)
+        router_argv = [
+            sys.executable, "-m", "sglang_router.launch_router",
+            "--pd-disaggregation", "--mini-lb",
+            "--prefill", prefill.url, str(bootstrap),
+            "--decode", decode.url,
+            "--host", "127.0.0.1", "--port", str(router_port),
+            "--request-timeout-secs", str(int(REQUEST_TIMEOUT_S)),
+        ]  # fmt: skip
+        router_env = server_env("reference", 1, self.tmp)  # the router loads no SGLang plugin
+        router = Server(
+            self.group.start(f"router-{tag}", router_argv, router_env, PROCESS_DEADLINE_S),
+            router_port,
+        )
+        self._await([router], "/health", ROUTER_READY_S)
+        stack = PDStack(
+            backend, tp, page, prefill, decode, router, bootstrap,
+            startup_s=time.monotonic() - started,
+            procs=[prefill.proc, decode.proc, router.proc],
+        )  # fmt: skip
+        return stack
+
+    def stop(self, procs: Sequence[ManagedProcess]) -> None:
+        self.group.stop(procs)
+
+
+@contextmanager
+def logs_on_failure(group: ProcessGroup) -> Iterator[None]:
+    """Print the tail of every process's log when the block raises (pytest shows it)."""
+    try:
+        yield
+    except BaseException:
+        print(group.report(), flush=True)
+        raise
