@@ -213,10 +213,7 @@ class NixlPluginKVManager(CommonKVManager):
             if sock is not None and not _saw_disconnect(self._monitor_cache.get(endpoint)):
                 return sock
             if sock is not None:
-                sock.close(linger=0)
-                monitor = self._monitor_cache.pop(endpoint, None)
-                if monitor is not None:
-                    monitor.close()
+                _close_monitored(sock, self._monitor_cache.pop(endpoint, None))
             sock = self._zmq_ctx.socket(zmq.PUSH)
             if is_ipv6:
                 sock.setsockopt(zmq.IPV6, 1)
@@ -523,6 +520,27 @@ class NixlPluginKVManager(CommonKVManager):
         for t in threads:
             t.join(timeout=5)
         self.engine.close()
+        if any(t.is_alive() for t in threads):
+            logger.warning("sgl-nixl: a control thread did not stop; its sockets stay open")
+            return
+        # A context left to the garbage collector with a socket that still holds messages
+        # blocks forever in its finalizer (seen at interpreter exit): end it here.
+        with self._socket_lock:
+            for endpoint, sock in list(self._socket_cache.items()):
+                _close_monitored(sock, self._monitor_cache.pop(endpoint, None))
+            self._socket_cache.clear()
+        self._zmq_ctx.destroy(linger=0)
+
+
+def _close_monitored(sock: Any, monitor: Any) -> None:
+    """Close a socket and its monitor in the order libzmq needs to let the context end."""
+    if monitor is not None:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        monitor.close(linger=0)
+    sock.close(linger=0)
 
 
 def _saw_disconnect(monitor: Any) -> bool:
