@@ -136,3 +136,12 @@ def test_memory_kind_of_device_and_pinned_pointers() -> None:
     assert kv_mem_kind(prefill, "cuda") == "VRAM"
     host = _kv_args("decode", 2, _buffers(2))  # numpy pools under SGLang's VRAM label
     assert kv_mem_kind(host, "cuda") == "DRAM"
+
+
+def test_rows_that_are_not_heads_mean_whole_items_not_a_crash() -> None:
+    """A pool whose item is no whole number of the stated heads (latent rows SGLang reports
+    with head counts, as for hybrid pools) serves only decodes with the same items."""
+    a = _kv_args("prefill", 3, _buffers(2))
+    a.kv_item_lens = [PAGE * 2 * HEAD_DIM * DTYPE_BYTES] * len(a.kv_data_ptrs)  # rows of 2
+    assert prefill_head_layout(a, False) is None
+    assert decode_heads(None, PAGE, a.kv_item_lens[0], a.kv_item_lens[0], 1) == 0

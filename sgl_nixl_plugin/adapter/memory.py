@@ -32,7 +32,9 @@ def kv_mem_kind(kv_args: Any, device: str, override: str = "") -> str:
     if labels and labels != {kind}:
         logger.info(
             "sgl-nixl: SGLang labels the KV pool %s, its memory is %s: registering it as %s",
-            "/".join(sorted(labels)), kind, kind,
+            "/".join(sorted(labels)),
+            kind,
+            kind,
         )
     return kind
 
@@ -40,19 +42,26 @@ def kv_mem_kind(kv_args: Any, device: str, override: str = "") -> str:
 def memory_from_kv_args(kv_args: Any, kind: str) -> Memory:
     dev = int(getattr(kv_args, "gpu_id", 0) or 0) if kind == "VRAM" else 0
     kv = RegionSet.of(
-        list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens), list(kv_args.kv_item_lens),
-        kind, dev,
+        list(kv_args.kv_data_ptrs),
+        list(kv_args.kv_data_lens),
+        list(kv_args.kv_item_lens),
+        kind,
+        dev,
     )
     aux = RegionSet.of(
-        list(kv_args.aux_data_ptrs), list(kv_args.aux_data_lens), list(kv_args.aux_item_lens),
-        "DRAM", 0,
+        list(kv_args.aux_data_ptrs),
+        list(kv_args.aux_data_lens),
+        list(kv_args.aux_item_lens),
+        "DRAM",
+        0,
     )
     state = tuple(
         RegionSet.of(list(p), list(n), list(i), kind, dev)
         for p, n, i in zip(
             getattr(kv_args, "state_data_ptrs", None) or [],
             getattr(kv_args, "state_data_lens", None) or [],
-            getattr(kv_args, "state_item_lens", None) or [], strict=False,
+            getattr(kv_args, "state_item_lens", None) or [],
+            strict=False,
         )
     )
     return Memory(kv, aux, state)
@@ -61,7 +70,9 @@ def memory_from_kv_args(kv_args: Any, kind: str) -> Memory:
 def to_regions(regions: RegionSet) -> list[Region]:
     return [
         Region(p, n, i, d, regions.mem_kind)
-        for p, n, i, d in zip(regions.ptrs, regions.lens, regions.item_lens, regions.devices, strict=False)
+        for p, n, i, d in zip(
+            regions.ptrs, regions.lens, regions.item_lens, regions.devices, strict=False
+        )
     ]
 
 
@@ -79,7 +90,9 @@ def from_regions(regions: list[Region], default_kind: str = "VRAM") -> RegionSet
 
 
 def remote_memory(kv: list[Region], aux: list[Region], state: list[list[Region]]) -> Memory:
-    return Memory(from_regions(kv), from_regions(aux, "DRAM"), tuple(from_regions(s) for s in state))
+    return Memory(
+        from_regions(kv), from_regions(aux, "DRAM"), tuple(from_regions(s) for s in state)
+    )
 
 
 @dataclass(frozen=True)
@@ -102,10 +115,15 @@ def prefill_head_layout(kv_args: Any, is_mla: bool) -> HeadLayout | None:
         return None
     row = int(kv_args.page_size) * heads
     item = int(kv_args.kv_item_lens[0])
-    if item % row:
-        raise ValueError(
-            f"KV item of {item} bytes is not {kv_args.page_size} tokens x {heads} heads"
+    if item % row:  # not rows of heads (e.g. latent rows of a hybrid pool): whole items only
+        logger.warning(
+            "sgl-nixl: KV item of %d bytes is not %d tokens x %d heads: decodes must hold "
+            "the same items (no head slicing)",
+            item,
+            kv_args.page_size,
+            heads,
         )
+        return None
     total = int(getattr(kv_args, "total_kv_head_num", 0) or heads)
     return HeadLayout(heads=heads, total=max(total, heads), head_bytes=item // row)
 
