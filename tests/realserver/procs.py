@@ -12,6 +12,7 @@ process; ``tail()`` reads it back for failure reports.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -25,15 +26,32 @@ from pathlib import Path
 import requests
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports on 127.0.0.1 that were free a moment ago."""
+    """``n`` distinct TCP ports on 127.0.0.1 that were free a moment ago, from below the
+    kernel's ephemeral range: the servers bind many random ports of their own (ZMQ, NIXL,
+    gloo) while they start, and one of those taking a port chosen here made a server fail
+    with "address already in use" (seen in CI)."""
+    low = _ephemeral_low()
+    candidates = random.sample(range(max(1024, low - 12000), low), min(2000, low - 1024))
     with ExitStack() as stack:
         ports = []
-        for _ in range(n):
+        for port in candidates:
             s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-        return ports
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise RuntimeError(f"no {n} free ports below {low}")
 
 
 class ManagedProcess:
