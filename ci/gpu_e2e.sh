@@ -5,9 +5,10 @@
 # The GPU image has torch, Triton, aiohttp, requests and pytest but neither NIXL nor SGLang, and
 # no package index. Carry two wheel folders (see docs/benchmarks.md): .whl (nixl-cu13, nixl,
 # pyzmq, msgspec) and .sglwhl (sglang for cp312 and the light packages its disaggregation
-# layer imports). Every step is bounded by `timeout`; outputs go to $OUT.
+# layer imports). Every step is bounded by `timeout`; outputs go to the folder given as the
+# argument, else $OUT, else /tmp/out (never into the repo).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
+OUT=${1:-${OUT:-/tmp/out}}
 mkdir -p "$OUT"
 # The two folders together exceed one call's 64 MiB, so they may come in two calls to the same
 # (still warm) machine: install whichever is here into the same target.
@@ -56,5 +57,5 @@ run tp11_direct_p16 --requests 8 --min-tokens 1024 --max-tokens 4096 --page-size
 unset SGLANG_NIXL_PLUGIN_TRANSFER_PATH
 if want kill; then
   echo "=== prefill killed mid-transfer" | tee -a "$OUT/e2e.txt"
-  timeout 200 python3 ci/kill_check.py --mem VRAM --decode-gpu "$DEC_GPU" 2>"$OUT/err_kill.txt" | tee -a "$OUT/e2e.txt"
+  timeout 200 python3 benchmarks/kill_check.py --mem VRAM --decode-gpu "$DEC_GPU" 2>"$OUT/err_kill.txt" | tee -a "$OUT/e2e.txt"
 fi

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Everything we measure on the lent GPU machine, in ONE device call, from the repo root:
 #
-#     bash ci/gpu_run.sh
+#     bash ci/gpu_run.sh [OUTPUT_DIR]
 #
 # That machine has python3 (3.12), torch (CUDA 13) and triton, but no network and none of
 # our other dependencies: .whl/ must hold the wheels of nixl-cu13, nixl, pyzmq and msgspec
 # (pluggy too if that machine has no pytest: the benchmark then stubs it, see below).
-# Logs, JSON and a summary go to $OUT (the folder that comes back), ./gpu_out elsewhere.
+# Logs, JSON and a summary go to OUTPUT_DIR, else $OUT (the folder that comes back), else
+# /tmp/gpu_out: never into the repo (raw logs are not kept there).
 # The whole script stays under ~9 minutes: every step has its own `timeout`, and the
 # staging benchmarks get what is left of the budget.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-OUT=${OUT:-$PWD/gpu_out}
+OUT=${1:-${OUT:-/tmp/gpu_out}}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 T0=$SECONDS
@@ -78,20 +79,20 @@ if [[ ${GPU_RUN_TESTS:-1} != 1 ]]; then
     note "GPU tests skipped (GPU_RUN_TESTS=${GPU_RUN_TESTS})"
 elif timeout 60 "$PY" -m pytest --version >/dev/null 2>&1; then
     step pytest_gpu 200 "$PY" -m pytest -q -p no:cacheprovider -rs \
-        tests/test_copy_kernels.py tests/test_staging.py
+        tests/component/test_copy_kernels.py tests/component/test_staging.py
 else
     note "pytest is not installed here: the GPU tests were NOT run (carry wheels of" \
         "pytest, iniconfig, packaging, pluggy, pygments in .whl/ to run them)"
 fi
-step gpu_host_costs 90 "$PY" ci/gpu_host_costs.py --gpu 0 --peer-gpu 0
+step gpu_host_costs 90 "$PY" benchmarks/gpu_host_costs.py --gpu 0 --peer-gpu 0
 
 # 2. kernel bench (prints its own table; dumps stacks and exits at --timeout)
 if [[ ${GPU_RUN_KERNEL_BENCH:-1} != 1 ]]; then
     note "kernel bench skipped (GPU_RUN_KERNEL_BENCH=${GPU_RUN_KERNEL_BENCH})"
-elif [[ -f ci/gpu_kernels_bench.py ]]; then
-    step gpu_kernels_bench 110 "$PY" ci/gpu_kernels_bench.py --timeout 100
+elif [[ -f benchmarks/gpu_kernels_bench.py ]]; then
+    step gpu_kernels_bench 110 "$PY" benchmarks/gpu_kernels_bench.py --timeout 100
 else
-    note "ci/gpu_kernels_bench.py: not in this tree, not run"
+    note "benchmarks/gpu_kernels_bench.py: not in this tree, not run"
 fi
 
 # 3. staging end to end: one GPU (two processes), then GPU0 -> GPU1 when there are two
@@ -111,7 +112,7 @@ staging() {
     fi
     # the benchmark's own budget ends before `timeout`: it stops rows early and writes JSON
     # staging sizes: the plugin's VRAM defaults (settings.STAGING_DEFAULTS)
-    step "$name" "$limit" "$PY" ci/bench_staging.py --mem VRAM --page-size 1 16 \
+    step "$name" "$limit" "$PY" benchmarks/bench_staging.py --mem VRAM --page-size 1 16 \
         --requests 50 --min-tokens 4096 --max-tokens 8192 \
         --row-budget-s 40 --req-timeout-s 30 --setup-timeout-s 90 \
         --budget-s $((limit - 25)) "$@"

@@ -3,14 +3,15 @@
 #
 #     VARIANTS="base s256 s512 s1024 two" bash ci/gpu_sweep.sh
 #
-# Each variant runs ci/bench_staging.py (rows ceiling, WRITE, ours; REQ requests, default 20)
+# Each variant runs benchmarks/bench_staging.py (rows ceiling, WRITE, ours; REQ requests, default 20)
 # at page sizes 1 and 16 and appends the summary rows to $OUT/sweep.txt (one file: the device
-# tool brings back only a few). Needs .whl/ as for ci/gpu_run.sh. docs/benchmarks.md §4 has
-# the results of the 0.3.0 session (docs/gpu-runs/s3/sweep.txt).
+# tool brings back only a few; an argument names another folder). Needs .whl/ as for
+# ci/gpu_run.sh. docs/benchmarks.md §4 has the results of the 0.3.0 session (raw logs are not
+# kept in the repo).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-OUT=${OUT:-/tmp/out}
+OUT=${1:-${OUT:-/tmp/out}}
 mkdir -p "$OUT"
 T0=$SECONDS
 run() {  # name, then bench args
@@ -18,7 +19,7 @@ run() {  # name, then bench args
     shift
     echo "=== $name" >>"$OUT/sweep.txt"
     echo "=== $name (+$((SECONDS - T0))s): $*"
-    timeout -k 5 "${LIM:-100}" python3 ci/bench_staging.py --mem VRAM --page-size 1 16 \
+    timeout -k 5 "${LIM:-100}" python3 benchmarks/bench_staging.py --mem VRAM --page-size 1 16 \
         --requests "${REQ:-20}" --rows ceiling write ours "$@" >"$OUT/$name.log" 2>&1
     echo "rc=$?"
     sed -n '/bench_staging summary/,$p' "$OUT/$name.log" | grep -E "^   [1256] |== page|verify|variant B" |
@@ -26,7 +27,7 @@ run() {  # name, then bench args
     rm -f "$OUT/$name.log"
 }
 if [[ ${COSTS:-0} == 1 ]]; then
-    timeout 120 python3 ci/gpu_host_costs.py 2>&1 | grep -v NIXL | tee "$OUT/costs.txt"
+    timeout 120 python3 benchmarks/gpu_host_costs.py 2>&1 | grep -v NIXL | tee "$OUT/costs.txt"
 fi
 if [[ ${MPS:-0} == 1 ]]; then
     # Both processes as clients of one MPS server (started here, stopped on exit): their
@@ -58,7 +59,7 @@ for v in ${VARIANTS:-base}; do
     full)  # every row (incl. per-page descriptors and plain torch staging), the log kept
         f=${FULL_NAME:-full}
         echo "=== full ($f.log)" >>"$OUT/sweep.txt"
-        timeout -k 5 "${FULL_LIM:-330}" python3 ci/bench_staging.py --mem VRAM --page-size 1 16 \
+        timeout -k 5 "${FULL_LIM:-330}" python3 benchmarks/bench_staging.py --mem VRAM --page-size 1 16 \
             --send-gpu 0 --recv-gpu 0 --budget-s "${FULL_BUDGET:-300}" --json "$OUT/$f.json" \
             >"$OUT/$f.log" 2>&1
         echo "rc=$?" | tee -a "$OUT/sweep.txt" ;;

@@ -10,6 +10,7 @@ source ci/setup_env.sh
 
 lint_rc=0
 ruff check . || lint_rc=$?
+ruff format --check . || lint_rc=$?
 
 test_rc=0
 python -m pytest -q -p no:cacheprovider "$@" || test_rc=$?
@@ -18,7 +19,7 @@ if [[ $test_rc -eq 5 ]]; then
 fi
 
 if [[ $lint_rc -ne 0 ]]; then
-    echo "run_tests: ruff check failed (exit $lint_rc)" >&2
+    echo "run_tests: ruff check / ruff format --check failed (exit $lint_rc)" >&2
 fi
 if [[ $test_rc -ne 0 ]]; then
     exit "$test_rc"

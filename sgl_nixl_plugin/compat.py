@@ -6,22 +6,19 @@ so the plugin pins a range *and* checks, at start-up, that every signature it ca
 still looks the way it did in the release we tested. Both checks return plain problem
 strings so the bridge, the CLI and the tests can all report them the same way.
 
-Importing this module is cheap; only :func:`check_signatures` imports SGLang.
+Importing this module is cheap: the interfaces themselves are checked by
+``sgl_nixl_plugin.adapter.contract`` (the SGLang facade), imported only for a supported
+version.
 """
 
 from __future__ import annotations
 
-import enum
-import importlib
 import importlib.metadata
-import inspect
-from dataclasses import dataclass
-from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from sgl_nixl_plugin import env
+from sgl_nixl_plugin import settings
 
 #: The SGLang releases this plugin supports. Keep in step with ``[project.optional-dependencies]
 #: sglang`` in pyproject.toml.
@@ -32,7 +29,7 @@ SUPPORTED_SPECIFIER = SpecifierSet(SUPPORTED_SGLANG)
 
 #: Test hook: when set, pretend this SGLang version is installed. Lets tests (and a curious
 #: deployer) exercise the version gate without installing another SGLang. Not for production.
-VERSION_OVERRIDE_ENV = "SGLANG_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE"  # or SGL_NIXL_PLUGIN_...
+VERSION_OVERRIDE_ENV = "SGLANG_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE"  # read by settings
 
 FIX_HINT = (
     f"Fix: pip install 'sgl-nixl-plugin[sglang]' (or pip install 'sglang=={TESTED_SGLANG}'), "
@@ -40,79 +37,12 @@ FIX_HINT = (
 )
 
 
-@dataclass(frozen=True)
-class ReliedSignature:
-    """One SGLang callable whose parameters we call with or override, as seen in 0.5.23.
-
-    ``target`` is ``"module:qualname"``; ``expected`` is the signature rendered by
-    :func:`render_signature` (names, kinds and simple defaults; annotations ignored).
-    """
-
-    target: str
-    expected: str
-
-
-_COMMON = "sglang.srt.disaggregation.common.conn"
-
-#: Every SGLang signature the plugin depends on. A mismatch means SGLang changed an interface
-#: under us: the bridge then refuses to register rather than fail on the first request.
-RELIED_SIGNATURES: tuple[ReliedSignature, ...] = (
-    ReliedSignature(
-        f"{_COMMON}:CommonKVManager.__init__",
-        "(self, args, disaggregation_mode, server_args, is_mla_backend=False)",
-    ),
-    ReliedSignature(
-        f"{_COMMON}:CommonKVManager.build_receiver_metadata_message",
-        "(self, *, bootstrap_room, required_dst_info_num, kv_indices, aux_index, "
-        "state_indices, decode_prefix_len, is_dummy, device_kv_indices=None)",
-    ),
-    ReliedSignature(
-        f"{_COMMON}:CommonKVManager.record_failure", "(self, bootstrap_room, failure_reason)"
-    ),
-    ReliedSignature(
-        f"{_COMMON}:CommonKVSender.__init__",
-        "(self, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=False)",
-    ),
-    ReliedSignature(
-        f"{_COMMON}:CommonKVSender.send",
-        "(self, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None)",
-    ),
-    ReliedSignature(
-        f"{_COMMON}:CommonKVReceiver.__init__",
-        "(self, mgr, bootstrap_addr, bootstrap_room=None)",
-    ),
-    ReliedSignature(
-        f"{_COMMON}:CommonKVReceiver.send_metadata",
-        "(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, "
-        "destination=KVTransferDestination.DEVICE, device_kv_indices=None)",
-    ),
-    ReliedSignature(f"{_COMMON}:CommonKVBootstrapServer.__init__", "(self, host, port)"),
-    ReliedSignature(
-        "sglang.srt.disaggregation.utils:get_kv_class", "(transfer_backend, class_type)"
-    ),
-)
-
-#: Names the bridge uses besides the signatures above (missing = the plugin seam moved).
-RELIED_NAMES: tuple[str, ...] = (
-    "sglang.srt.plugins:load_plugins",
-    "sglang.srt.plugins.hook_registry:HookRegistry.register",
-    "sglang.srt.plugins.hook_registry:HookType.AROUND",
-    "sglang.srt.plugins.hook_registry:HookType.REPLACE",
-    "sglang.srt.disaggregation.utils:TransferBackend",
-    "sglang.srt.disaggregation.base:KVArgs",
-    "sglang.srt.server_args:add_disagg_transfer_backend_choices",
-)
-
-#: ``KVClassType`` values the ``get_kv_class`` hook answers for.
-RELIED_KV_CLASS_TYPES = frozenset({"kvargs", "manager", "sender", "receiver", "bootstrap_server"})
-
-
 def installed_sglang_version() -> str | None:
     """The installed SGLang version string, or None when SGLang is not installed.
 
     Honours :data:`VERSION_OVERRIDE_ENV` (a test hook) before asking ``importlib.metadata``.
     """
-    override = env.get("SGLANG_VERSION_OVERRIDE").strip()
+    override = settings.sglang_version_override()
     if override:
         return override
     try:
@@ -143,93 +73,6 @@ def check_version(version: str | None = None) -> list[str]:
     return []
 
 
-def _render_default(value: Any) -> str:
-    if isinstance(value, enum.Enum):
-        return f"{type(value).__name__}.{value.name}"
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    return "..."
-
-
-def render_signature(sig: inspect.Signature) -> str:
-    """Render a signature by parameter names, kinds and simple defaults only.
-
-    Annotations are left out on purpose: SGLang uses string annotations that change with
-    refactors without changing how we call the function.
-    """
-    parts: list[str] = []
-    saw_kw_only_marker = False
-    previous_kind: object = None
-    for param in sig.parameters.values():
-        kind = param.kind
-        if (
-            previous_kind is inspect.Parameter.POSITIONAL_ONLY
-            and kind is not inspect.Parameter.POSITIONAL_ONLY
-        ):
-            parts.append("/")
-        if kind is inspect.Parameter.KEYWORD_ONLY and not saw_kw_only_marker:
-            parts.append("*")
-            saw_kw_only_marker = True
-        if kind is inspect.Parameter.VAR_POSITIONAL:
-            saw_kw_only_marker = True
-            text = f"*{param.name}"
-        elif kind is inspect.Parameter.VAR_KEYWORD:
-            text = f"**{param.name}"
-        else:
-            text = param.name
-        if param.default is not inspect.Parameter.empty:
-            text += f"={_render_default(param.default)}"
-        parts.append(text)
-        previous_kind = kind
-    if previous_kind is inspect.Parameter.POSITIONAL_ONLY:
-        parts.append("/")
-    return "(" + ", ".join(parts) + ")"
-
-
-def resolve(target: str) -> Any:
-    """Import ``"module:qualname"`` and return the object (raises on any failure)."""
-    module_name, _, qualname = target.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for attr in qualname.split("."):
-        obj = getattr(obj, attr)
-    return obj
-
-
-def check_signatures() -> list[str]:
-    """Problems with the SGLang interfaces we rely on; empty when all match 0.5.23's.
-
-    Imports SGLang's disaggregation modules (seconds, pulls in torch): call it only once
-    SGLang itself is being loaded, or from the doctor.
-    """
-    problems: list[str] = []
-    for relied in RELIED_SIGNATURES:
-        try:
-            found = render_signature(inspect.signature(resolve(relied.target)))
-        except Exception as exc:  # any failure is a reportable problem
-            problems.append(f"cannot inspect SGLang {relied.target}: {type(exc).__name__}: {exc}")
-            continue
-        if found != relied.expected:
-            problems.append(
-                f"SGLang {relied.target} changed: expected {relied.expected}, found {found}"
-            )
-    for name in RELIED_NAMES:
-        try:
-            resolve(name)
-        except Exception as exc:
-            problems.append(f"SGLang {name} is missing: {type(exc).__name__}: {exc}")
-    try:
-        kv_class_type = resolve("sglang.srt.disaggregation.utils:KVClassType")
-        values = {member.value for member in kv_class_type}
-        if not RELIED_KV_CLASS_TYPES <= values:
-            problems.append(
-                "SGLang KVClassType changed: expected values "
-                f"{sorted(RELIED_KV_CLASS_TYPES)}, found {sorted(values)}"
-            )
-    except Exception as exc:
-        problems.append(f"SGLang KVClassType is missing: {type(exc).__name__}: {exc}")
-    return problems
-
-
 def check_sglang() -> list[str]:
     """Everything wrong with the installed SGLang for this plugin; empty means supported.
 
@@ -239,7 +82,9 @@ def check_sglang() -> list[str]:
     problems = check_version()
     if problems:
         return problems
-    problems = check_signatures()
+    from sgl_nixl_plugin.adapter import contract  # the only part that imports SGLang
+
+    problems = contract.check_signatures()
     if problems:
         found = installed_sglang_version()
         problems.append(

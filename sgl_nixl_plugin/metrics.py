@@ -30,14 +30,19 @@ def _metrics() -> dict[str, Any]:
         from prometheus_client import Counter, Gauge, Histogram
 
         _m.update(
-            transfers=Counter("sgl_nixl_transfers", "Finished KV transfers (rooms)", ["outcome", "path"]),
+            transfers=Counter(
+                "sgl_nixl_transfers", "Finished KV transfers (rooms)", ["outcome", "path"]
+            ),
             bytes=Counter("sgl_nixl_transfer_bytes", "KV bytes moved", ["path"]),
             latency=Histogram(
-                "sgl_nixl_transfer_seconds", "First WRITE to last completion, per room",
-                ["path"], buckets=LATENCY_BUCKETS,
+                "sgl_nixl_transfer_seconds",
+                "First WRITE to last completion, per room",
+                ["path"],
+                buckets=LATENCY_BUCKETS,
             ),
             descriptors=Histogram(
-                "sgl_nixl_transfer_descriptors", "Descriptors posted per room",
+                "sgl_nixl_transfer_descriptors",
+                "Descriptors posted per room",
                 buckets=DESCRIPTOR_BUCKETS,
             ),
             failures=Counter("sgl_nixl_failures", "Failed rooms by reason", ["reason"]),
@@ -47,7 +52,8 @@ def _metrics() -> dict[str, Any]:
                 "sgl_nixl_nixl_post_seconds", "NIXL post time (telemetry)", buckets=LATENCY_BUCKETS
             ),
             nixl_xfer=Histogram(
-                "sgl_nixl_nixl_xfer_seconds", "NIXL transfer time (telemetry)",
+                "sgl_nixl_nixl_xfer_seconds",
+                "NIXL transfer time (telemetry)",
                 buckets=LATENCY_BUCKETS,
             ),
         )
@@ -106,7 +112,10 @@ def failure_kind(reason: str | None) -> str:
     r = (reason or "").lower()
     for key, words in (
         ("aborted", ("abort",)),
-        ("peer_lost", ("stopped answering", "closed its connection", "no longer connected", "restarted")),
+        (
+            "peer_lost",
+            ("stopped answering", "closed its connection", "no longer connected", "restarted"),
+        ),
         ("incompatible", ("incompatible", "refused", "cannot serve")),
         ("bad_request", ("out of range", "disagree", "rejected")),
         ("transport", ("nixl",)),

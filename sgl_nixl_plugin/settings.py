@@ -1,64 +1,210 @@
-"""Runtime settings, read from the environment once per process.
+"""Every environment variable of the plugin: one table (:data:`VARS`), read only here.
 
-NIXL agent settings (SGLang's ``SGLANG_DISAGGREGATION_NIXL_BACKEND`` and ``..._PARAMS``)
-are read by ``registry.manager.default_agent_config`` so that deployer hooks see them.
+Only the ``SGLANG_NIXL_PLUGIN_<NAME>`` spelling is read. The ``SGL_NIXL_PLUGIN_<NAME>``
+spelling of 0.4 and earlier is refused: set while the new one is not, reading the setting
+raises ValueError naming both (ignoring it would, for the shared secret, silently turn
+authentication off). Inside an SGLang server both are set, because SGLang copies every
+``SGL_*`` variable to ``SGLANG_*`` at start-up; that case reads the ``SGLANG_`` one.
+
+SGLang's own NIXL agent variables (:data:`SGLANG_VARS`) are read by
+``registry.manager.default_agent_config`` so that deployer hooks see them; they are named
+here so the README's table can be checked against one list.
+
+Audiences: ``user`` variables are the stable interface; ``tuning`` and ``test`` ones are
+knobs for benchmarks, debugging and the test suite and may change in any release.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
-
-from sgl_nixl_plugin import env
+from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
 
+PREFIX = "SGLANG_NIXL_PLUGIN_"
+LEGACY_PREFIX = "SGL_NIXL_PLUGIN_"
+
 TRANSFER_PATHS = ("auto", "direct", "staging")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+Kind = Literal["str", "int", "float", "flag", "choice"]
+Audience = Literal["user", "tuning", "test"]
 
 
-def _int(name: str, default: int) -> int:
-    var, raw = env.lookup(name)
-    try:
-        return int(raw) if raw else default
-    except ValueError as exc:
-        raise ValueError(f"{var}={raw!r} is not an integer") from exc
+@dataclass(frozen=True)
+class Var:
+    """One environment variable: its full name, how its value is parsed, and who it is for.
+
+    ``field`` names the :class:`Settings` field it fills (empty: read by its own function);
+    ``minimum`` clamps a number from below; ``choices`` are the values of a ``choice``.
+    """
+
+    name: str
+    kind: Kind
+    default: Any
+    doc: str
+    audience: Audience
+    choices: tuple[str, ...] = ()
+    field: str = ""
+    minimum: float | None = None
+
+    @property
+    def legacy_name(self) -> str:
+        """The refused pre-0.5 spelling, ``SGL_NIXL_PLUGIN_<NAME>``."""
+        return LEGACY_PREFIX + self.name[len(PREFIX) :]
 
 
-def _float(name: str, default: float) -> float:
-    var, raw = env.lookup(name)
-    try:
-        return float(raw) if raw else default
-    except ValueError as exc:
-        raise ValueError(f"{var}={raw!r} is not a number") from exc
+def _v(name: str, kind: Kind, default: Any, audience: Audience, doc: str, **kw: Any) -> Var:
+    return Var(PREFIX + name, kind, default, doc, audience, **kw)
 
 
-def _flag(name: str, default: bool) -> bool:
-    var, raw = env.lookup(name)
+# fmt: off
+#: Every variable of ours. The README's Configuration tables list exactly these (checked by
+#: tests/unit/test_env.py): ``user`` ones in the main table, the others in the knobs table.
+VARS: tuple[Var, ...] = (
+    # user: the stable interface
+    _v("SECRET", "str", "", "user", "shared secret, the same on every prefill and decode"),
+    _v("SECRET_FILE", "str", "", "user", "file holding the shared secret (wins over SECRET)"),
+    _v("STRICT", "flag", False, "user", "an unsupported SGLang stops the process at start-up"),
+    _v("TRANSFER_PATH", "choice", "auto", "user", "auto, direct or staging",
+       choices=TRANSFER_PATHS, field="transfer_path"),
+    _v("STAGING_BYTES", "int", -1, "user",
+       "staging buffer bytes; 0 turns staging off, -1: by memory kind", field="staging_bytes"),
+    # tuning: not a stable interface
+    _v("STAGING_PIECE_BYTES", "int", -1, "tuning",
+       "bytes of one staging slot (-1: by memory kind)", field="staging_piece_bytes"),
+    _v("WORKERS", "int", 2, "tuning", "prefill transfer worker threads",
+       field="workers", minimum=1),
+    _v("NIXL_THREADS", "int", 8, "tuning", "threads of the UCX backend",
+       field="nixl_threads", minimum=0),
+    _v("PROGRESS_THREAD", "flag", False, "tuning", "NIXL's own progress thread",
+       field="progress_thread"),
+    _v("KV_MEM_KIND", "choice", "", "tuning", "force DRAM or VRAM for the KV pool",
+       choices=("DRAM", "VRAM"), field="kv_mem_kind"),
+    _v("LIVENESS_INTERVAL", "float", 1.0, "tuning", "seconds between pings of busy peers",
+       field="liveness_interval_s"),
+    _v("LIVENESS_MISSES", "int", 5, "tuning", "silent intervals before a peer is gone",
+       field="liveness_misses", minimum=1),
+    _v("ABORT_DRAIN_TIMEOUT", "float", 5.0, "tuning",
+       "seconds a failed room's slots stay out of use", field="abort_drain_timeout_s"),
+    _v("SLOT_WAIT", "float", 2.0, "tuning", "seconds a chunk waits for a slot, then goes direct",
+       field="slot_wait_s", minimum=0.0),
+    _v("MAP_INDICES", "flag", True, "tuning", "prefill gathers read page indices in place",
+       field="map_indices"),
+    # test: hooks for the test suite and the benchmark
+    _v("SGLANG_VERSION_OVERRIDE", "str", "", "test",
+       "pretend this SGLang version is installed (exercises the version gate)"),
+    _v("TEST_TIMEOUT_SCALE", "float", 1.0, "test", "multiplies the test suite's timeouts"),
+    _v("BENCH_LOG", "str", "WARNING", "test",
+       "log level of bench rank processes (set by `sgl-nixl-plugin bench --verbose`, "
+       "read by bench/rank.py)"),
+)
+# fmt: on
+_BY_NAME = {v.name: v for v in VARS}
+
+#: SGLang's own variables that configure our NIXL agent (read in ``registry.manager``).
+SGLANG_VARS: tuple[str, ...] = (
+    "SGLANG_DISAGGREGATION_NIXL_BACKEND",
+    "SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS",
+)
+
+
+def _var(name: str) -> Var:
+    return _BY_NAME[name if name.startswith(PREFIX) else PREFIX + name]
+
+
+def _raw(var: Var) -> str:
+    """The variable's value ("" when unset); refuses the legacy spelling set alone."""
+    value = os.environ.get(var.name, "")
+    if not value and os.environ.get(var.legacy_name, ""):
+        raise ValueError(
+            f"{var.legacy_name} is set but {var.name} is not: since sgl-nixl-plugin 0.5 only "
+            f"the SGLANG_NIXL_PLUGIN_ spelling is read; rename {var.legacy_name} to {var.name}"
+        )
+    return value
+
+
+def value(name: str) -> Any:
+    """The parsed value of variable ``name`` (``"SLOT_WAIT"`` or its full name), or its
+    default when unset; ValueError naming the variable when the value does not parse."""
+    var = _var(name)
+    raw = _raw(var)
     if not raw:
-        return default
-    if raw.lower() in ("1", "true", "yes", "on"):
-        return True
-    if raw.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{var}={raw!r}: expected 1 or 0")
+        return var.default
+    if var.kind == "str":
+        return raw
+    text = raw.strip()
+    if var.kind == "int":
+        try:
+            number: float = int(text)
+        except ValueError as exc:
+            raise ValueError(f"{var.name}={raw!r} is not an integer") from exc
+    elif var.kind == "float":
+        try:
+            number = float(text)
+        except ValueError as exc:
+            raise ValueError(f"{var.name}={raw!r} is not a number") from exc
+    elif var.kind == "flag":
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ValueError(f"{var.name}={raw!r}: expected 1 or 0")
+    else:
+        for choice in var.choices:
+            if text.lower() == choice.lower():
+                return choice
+        raise ValueError(f"{var.name}={raw!r}: expected one of {var.choices}")
+    if var.minimum is not None:
+        number = max(type(number)(var.minimum), number)
+    return number
 
 
 def read_secret() -> bytes | None:
-    """The shared secret from ``SGLANG_NIXL_PLUGIN_SECRET`` or ``..._SECRET_FILE`` (or their
-    ``SGL_NIXL_PLUGIN_`` spellings, see ``env``)."""
-    raw = env.get("SECRET")
-    var, path = env.lookup("SECRET_FILE")
+    """The shared secret from ``SGLANG_NIXL_PLUGIN_SECRET`` or ``..._SECRET_FILE`` (the file
+    wins); None when neither is set."""
+    raw = value("SECRET")
+    path = value("SECRET_FILE")
     if path:
         try:
             raw = Path(path).read_text().strip()
         except OSError as exc:
-            raise ValueError(f"{var}={path!r} is unreadable: {exc}") from exc
+            raise ValueError(f"{PREFIX}SECRET_FILE={path!r} is unreadable: {exc}") from exc
     return raw.encode() if raw else None
+
+
+def secret_vars_set() -> list[str]:
+    """Names of the secret variables that are set (for reports; never raises)."""
+    return [name for name in (PREFIX + "SECRET", PREFIX + "SECRET_FILE") if os.environ.get(name)]
+
+
+def strict_mode() -> bool:
+    """Whether ``SGLANG_NIXL_PLUGIN_STRICT`` asks for a start-up failure on an unsupported
+    SGLang."""
+    return bool(value("STRICT"))
+
+
+def sglang_version_override() -> str:
+    """``SGLANG_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE`` (a test hook), "" when unset."""
+    return str(value("SGLANG_VERSION_OVERRIDE")).strip()
+
+
+def test_timeout_scale() -> float:
+    """``SGLANG_NIXL_PLUGIN_TEST_TIMEOUT_SCALE``: multiplies the test suite's timeouts."""
+    return float(value("TEST_TIMEOUT_SCALE"))
+
+
+test_timeout_scale.__test__ = False  # type: ignore[attr-defined]  # not a pytest test
 
 
 @dataclass(frozen=True)
 class Settings:
+    """The settings a manager reads once at start-up (see :data:`VARS` for each field)."""
+
     secret: bytes | None = None
     workers: int = 2
     nixl_threads: int = 8
@@ -66,40 +212,17 @@ class Settings:
     transfer_path: str = "auto"
     staging_bytes: int = -1  # -1: by memory kind (see ``staging_sizes``); 0: staging off
     staging_piece_bytes: int = -1
-    kv_mem_kind: str = ""  # "" = what SGLang says, else DRAM/VRAM
+    kv_mem_kind: str = ""  # "" = what the pointers say, else DRAM/VRAM
     liveness_interval_s: float = 1.0
     liveness_misses: int = 5
     abort_drain_timeout_s: float = 5.0
     slot_wait_s: float = 2.0  # a chunk waits this long for a receiver slot, then goes direct
     map_indices: bool = True  # prefill GPU gathers read page indices from pinned host memory
-    slot_returns: bool = True  # offer SlotReturn / SlotRecall to peers (0.3.0 behaviour: off)
 
     @classmethod
     def from_env(cls) -> Settings:
-        var, path = env.lookup("TRANSFER_PATH")
-        path = (path or "auto").lower()
-        if path not in TRANSFER_PATHS:
-            raise ValueError(f"{var}={path!r}: expected one of {TRANSFER_PATHS}")
-        var, kind = env.lookup("KV_MEM_KIND")
-        kind = kind.upper()
-        if kind not in ("", "DRAM", "VRAM"):
-            raise ValueError(f"{var}={kind!r}: expected DRAM or VRAM")
-        return cls(
-            secret=read_secret(),
-            workers=max(1, _int("WORKERS", 2)),
-            nixl_threads=max(0, _int("NIXL_THREADS", 8)),
-            progress_thread=env.get("PROGRESS_THREAD", "0") == "1",
-            transfer_path=path,
-            staging_bytes=_int("STAGING_BYTES", -1),
-            staging_piece_bytes=_int("STAGING_PIECE_BYTES", -1),
-            kv_mem_kind=kind,
-            liveness_interval_s=_float("LIVENESS_INTERVAL", 1.0),
-            liveness_misses=max(1, _int("LIVENESS_MISSES", 5)),
-            abort_drain_timeout_s=_float("ABORT_DRAIN_TIMEOUT", 5.0),
-            slot_wait_s=max(0.0, _float("SLOT_WAIT", 2.0)),
-            map_indices=_flag("MAP_INDICES", True),
-            slot_returns=_flag("SLOT_RETURNS", True),
-        )
+        fields = {var.field: value(var.name) for var in VARS if var.field}
+        return cls(secret=read_secret(), **fields)
 
 
 #: Default staging buffer and slot sizes per memory kind: on GPUs 2 GiB in 256 MiB slots (a

@@ -11,8 +11,18 @@ import importlib.machinery
 import sys
 import types
 
-STUBBED = ("sgl_kernel", "flashinfer", "deep_gemm", "flash_attn", "sgl_kernel_npu", "vllm",
-           "flash_mla", "sgl_flash_kernel", "cutlass", "cuda_bindings_stub")
+STUBBED = (
+    "sgl_kernel",
+    "flashinfer",
+    "deep_gemm",
+    "flash_attn",
+    "sgl_kernel_npu",
+    "vllm",
+    "flash_mla",
+    "sgl_flash_kernel",
+    "cutlass",
+    "cuda_bindings_stub",
+)
 
 
 class _Anything:

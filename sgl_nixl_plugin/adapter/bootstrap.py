@@ -69,8 +69,10 @@ def _needs_auth(request: web.Request) -> bool:
         if request.method != "GET":
             return True
         # The aggregate topology query (-1 everywhere) names no address: left open.
-        return any(request.query.get(k) != "-1" for k in (
-            "prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank"))
+        return any(
+            request.query.get(k) != "-1"
+            for k in ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+        )
     return request.path == "/register_dp_rank"
 
 
@@ -109,7 +111,9 @@ class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
         except (KeyError, ValueError, TypeError) as exc:
             return self._refuse(request, 400, "malformed", f"invalid request: {exc!r}")
         except Exception:
-            logger.exception("sgl-nixl bootstrap: error serving %s %s", request.method, request.path)
+            logger.exception(
+                "sgl-nixl bootstrap: error serving %s %s", request.method, request.path
+            )
             return web.Response(status=500, text="internal error (see the server log)")
         if 400 <= response.status < 500:  # SGLang's own refusals (missing inputs, unknown rank)
             metrics.rejected(f"http_{response.status}")
@@ -119,7 +123,11 @@ class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
         metrics.rejected(f"http_{reason}")
         logger.warning(
             "sgl-nixl bootstrap: %d for %s %s from %s: %s",
-            status, request.method, request.path, request.remote, text,
+            status,
+            request.method,
+            request.path,
+            request.remote,
+            text,
         )
         return web.Response(status=status, text=text)
 
@@ -133,8 +141,11 @@ class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
             "page_size": (self.page_size, d.page_size),
             "dp_size": (self.dp_size, dp_size),
         }
-        bad = [f"{k}={new} (registered: {old})" for k, (old, new) in checks.items()
-               if old is not None and old != new]
+        bad = [
+            f"{k}={new} (registered: {old})"
+            for k, (old, new) in checks.items()
+            if old is not None and old != new
+        ]
         # Readiness counts distinct ranks: one outside its size would fake a missing rank.
         ranks = {
             "attn_tp_rank": (d.attn_tp_rank, d.attn_tp_size),
@@ -143,9 +154,14 @@ class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
             "system_dp_rank": (d.system_dp_rank, d.system_dp_size),
             "pp_rank": (d.pp_rank, d.pp_size),
         }
-        bad += [f"{k}={rank} is not smaller than its size {size}"
-                for k, (rank, size) in ranks.items() if rank >= size]
-        return ("topology differs from the ranks already registered: " + ", ".join(bad)) if bad else ""
+        bad += [
+            f"{k}={rank} is not smaller than its size {size}"
+            for k, (rank, size) in ranks.items()
+            if rank >= size
+        ]
+        return (
+            ("topology differs from the ranks already registered: " + ", ".join(bad)) if bad else ""
+        )
 
     def close(self) -> None:
         """Stop the server thread; safe even before its event loop has started."""
@@ -158,7 +174,9 @@ class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
             return False
         expected = self.dp_size * self.attn_cp_size * self.attn_tp_size * self.pp_size
         distinct = sum(
-            len(pp) for dp in self.prefill_port_table.values()
-            for cp in dp.values() for pp in cp.values()
+            len(pp)
+            for dp in self.prefill_port_table.values()
+            for cp in dp.values()
+            for pp in cp.values()
         )
         return distinct >= expected

@@ -10,23 +10,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
 from sgl_nixl_plugin.adapter.liveness import Endpoint, PeerWatch, drain
 
-if TYPE_CHECKING:
-    from sgl_nixl_plugin.adapter.manager import NixlPluginKVManager
-
 logger = logging.getLogger(__name__)
 
 
 class ControlLoop:
-    def __init__(self, mgr: NixlPluginKVManager, name: str) -> None:
-        self.mgr = mgr
-        s = mgr.settings
-        self.watch = PeerWatch(mgr._zmq_ctx, s.liveness_interval_s, s.liveness_misses)
+    def __init__(
+        self, zmq_ctx: zmq.Context, sock: Any, interval_s: float, misses: int, name: str
+    ) -> None:
+        self.sock = sock  # the side's PULL socket: every control message arrives here
+        self.watch = PeerWatch(zmq_ctx, interval_s, misses)
         self._stop = threading.Event()
         self._next_check = 0.0
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -66,7 +64,7 @@ class ControlLoop:
 
     # -- the loop -----------------------------------------------------------------------
     def _run(self) -> None:
-        sock = self.mgr.server_socket
+        sock = self.sock
         poller = self.watch.poller
         poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():

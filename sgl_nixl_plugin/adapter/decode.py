@@ -7,10 +7,12 @@ rooms with a reason when a rank stops answering, instead of waiting for the 300 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sgl_nixl_plugin.adapter.control_loop import ControlLoop
+from sgl_nixl_plugin.adapter.decode_policy import DecodePolicy
 from sgl_nixl_plugin.adapter.liveness import Endpoint
+from sgl_nixl_plugin.wire.codec import ForeignReply
 from sgl_nixl_plugin.wire.messages import (
     AbortAck,
     PieceReady,
@@ -21,9 +23,6 @@ from sgl_nixl_plugin.wire.messages import (
     SlotReturn,
     TransferStatus,
 )
-
-if TYPE_CHECKING:
-    from sgl_nixl_plugin.adapter.manager import NixlPluginKVManager
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +36,18 @@ class DecodeListener(ControlLoop):
     instead of holding the prefill's handles), which costs well under 1 % of a core.
     """
 
-    def __init__(self, mgr: NixlPluginKVManager) -> None:
-        super().__init__(mgr, "sgl-nixl-decode-rx")
+    def __init__(self, side: DecodePolicy) -> None:
+        ctx = side.ctx
+        s = ctx.settings
+        super().__init__(
+            ctx.zmq_ctx,
+            ctx.server_socket,
+            s.liveness_interval_s,
+            s.liveness_misses,
+            "sgl-nixl-decode-rx",
+        )
+        self.side = side
+        self.ctx = ctx
         self._busy = False
 
     def expect_data(self) -> None:
@@ -49,72 +58,68 @@ class DecodeListener(ControlLoop):
         return 1 if self._busy else 20
 
     def on_frames(self, frames: list[Any]) -> None:
-        decoded = self.mgr.codec.decode(frames)
+        decoded = self.ctx.codec.decode(frames)
         if decoded is not None:
             self._dispatch(decoded.msg)
 
     def on_lost(self, endpoint: Endpoint, why: str) -> None:
-        self.mgr.fail_endpoint(endpoint, f"prefill rank {endpoint[0]}:{endpoint[1]} {why}")
+        self.side.fail_endpoint(endpoint, f"prefill rank {endpoint[0]}:{endpoint[1]} {why}")
 
     def tick(self) -> None:
-        self.mgr.engine.agent.progress()
+        self.ctx.engine.agent.progress()
         super().tick()
 
     def _dispatch(self, msg: Any) -> None:
-        mgr = self.mgr
+        ctx, staging, rooms = self.ctx, self.ctx.staging, self.ctx.rooms
         if isinstance(msg, TransferStatus):
-            if mgr.staging is not None and mgr.staging.is_staged(msg.room):
-                mgr.staging.submit(msg)  # after the room's pieces already queued for scatter
+            if staging is not None and rooms.is_staged(msg.room):
+                staging.submit(msg)  # after the room's pieces already queued for scatter
             else:
-                mgr.apply_status(msg)
+                ctx.sglang.apply_status(msg.room, msg.status, msg.prefill_rank, msg.reason)
+        elif isinstance(msg, PieceReady | SlotAsk | SlotReturn) and staging is None:
+            ctx.reject("unexpected", f"{type(msg).__name__} without staging")
         elif isinstance(msg, PieceReady):
-            if mgr.staging is None:
-                mgr.codec.rejections.reject("unexpected", "PieceReady without staging")
-            else:
-                mgr.staging.submit(msg)
+            staging.submit(msg)
         elif isinstance(msg, SlotAsk):
-            if mgr.staging is None:
-                mgr.codec.rejections.reject("unexpected", "SlotAsk without staging")
-            else:
-                mgr.staging.ask(msg)
+            ok, grants, recalls = rooms.ask(msg.room, (msg.ip, msg.port))
+            if not ok:
+                ctx.reject("bad_ask", f"room {msg.room} from {msg.ip}:{msg.port}")
+            staging.messenger(grants, recalls)
         elif isinstance(msg, SlotReturn):
-            if mgr.staging is None:
-                mgr.codec.rejections.reject("unexpected", "SlotReturn without staging")
-            else:
-                mgr.staging.take_back(msg)
+            bad, grants = rooms.take_back(msg.room, (msg.ip, msg.port), list(msg.slots))
+            if bad:
+                ctx.reject("bad_return", f"room {msg.room} slots {bad} from {msg.ip}:{msg.port}")
+            staging.messenger(grants)
         elif isinstance(msg, Pong):
             self.watch.replied((msg.ip, msg.port))
         elif isinstance(msg, AbortAck):
-            if mgr.enable_deferred_decode_kv_release and msg.generation is not None:
-                if mgr.staging is not None and mgr.staging.is_staged(msg.room):
-                    # Behind the room's pieces already queued for scatter: the pages are
-                    # only released once nothing more will be written into them.
-                    mgr.staging.submit(msg)
-                else:
-                    mgr.note_abort_ack(msg.room, msg.prefill_rank, msg.generation)
-        elif isinstance(msg, RegistrationReply):
-            if msg.retry:
-                mgr.forget_endpoint((msg.ip, msg.port))  # it lost our registration: send it again
+            if staging is not None and rooms.is_staged(msg.room):
+                # Behind the room's pieces already queued for scatter: the pages are only
+                # released once nothing more will be written into them.
+                staging.submit(msg)
+            else:
+                ctx.sglang.note_abort_ack(msg.room, msg.prefill_rank, msg.generation)
+        elif isinstance(msg, RegistrationReply | ForeignReply):
+            if isinstance(msg, RegistrationReply) and msg.retry:
+                self.side.forget_endpoint((msg.ip, msg.port))  # it lost our registration
             elif not msg.accepted:
-                mgr.on_refused((msg.ip, msg.port), msg.reason)
-            elif msg.returns and mgr.staging is not None:
-                mgr.staging.returners.add((msg.ip, msg.port))
+                self.side.on_refused((msg.ip, msg.port), msg.reason)
         elif isinstance(msg, Ping):
-            mgr.send_to((msg.ip, msg.port), Pong(mgr.engine.name, msg.seq, mgr.local_ip, mgr.rank_port))
+            me = ctx.me
+            ctx.send((msg.ip, msg.port), Pong(me.name, msg.seq, me.ip, me.port))
         else:
-            mgr.codec.rejections.reject("unexpected", type(msg).__name__)
+            ctx.reject("unexpected", type(msg).__name__)
 
     def check_liveness(self) -> None:
-        mgr = self.mgr
-        pending = mgr.pending_endpoints()
-        self._busy = bool(pending) or bool(mgr._deferred_abort_ack_tracker)
-        self.watch.sync(mgr.known_endpoints(), pending)
-        self.watch.ping(
-            lambda seq: mgr.codec.encode(Ping(mgr.engine.name, mgr.local_ip, mgr.rank_port, seq))
-        )
+        ctx, side = self.ctx, self.side
+        pending = side.pending_endpoints()
+        self._busy = bool(pending) or ctx.sglang.abort_acks_pending()
+        self.watch.sync(side.known_endpoints(), pending)
+        me = ctx.me
+        self.watch.ping(lambda seq: ctx.codec.encode(Ping(me.name, me.ip, me.port, seq)))
         for (ip, port), silent in self.watch.silent():
             self.watch.forget((ip, port))
-            mgr.fail_endpoint(
+            side.fail_endpoint(
                 (ip, port),
                 f"prefill rank {ip}:{port} stopped answering (no reply for {silent:.1f}s); "
                 "the host may be down or the network partitioned",

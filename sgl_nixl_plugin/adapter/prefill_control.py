@@ -7,70 +7,75 @@ watches the decode ranks that hold rooms in flight (``liveness``).
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
+from sgl_nixl_plugin.adapter.context import PrefillContext
 from sgl_nixl_plugin.adapter.control_loop import ControlLoop
 from sgl_nixl_plugin.adapter.memory import decode_heads, kv_geometry, remote_memory
-from sgl_nixl_plugin.adapter.prefill_state import (
-    FAILED,
-    SUCCESS,
-    WAITING_FOR_INPUT,
-    DecodePeer,
-    SlotCredits,
-    TransferInfo,
-)
 from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.descriptors import validate_items
-from sgl_nixl_plugin.engine.staging import (
-    RemoteStaging,
-)
+from sgl_nixl_plugin.engine.staging import RemoteStaging
+from sgl_nixl_plugin.protocol.credits import SlotCredits
+from sgl_nixl_plugin.protocol.peers import DecodePeer
+from sgl_nixl_plugin.protocol.prefill_rooms import TransferInfo
+from sgl_nixl_plugin.wire.codec import ForeignRegistration
 from sgl_nixl_plugin.wire.compat import describe_mismatch
 from sgl_nixl_plugin.wire.messages import (
+    PROTOCOL_VERSION,
     Abort,
     PeerRegistration,
     PieceDone,
     Ping,
     Pong,
     RegistrationReply,
-    SlotAsk,
     SlotGrant,
     SlotRecall,
     TransferRequest,
     TransferStatus,
 )
 
-if TYPE_CHECKING:
-    from sgl_nixl_plugin.adapter.manager import NixlPluginKVManager
-
 logger = logging.getLogger(__name__)
 
-
-
+FAILED = 0  # KVPoll.Failed, as the status message carries it
 
 
 class PrefillControl(ControlLoop):
-    """Receives registrations, transfer requests, aborts and pings from decode ranks."""
+    """Receives registrations, transfer requests, aborts and pings from decode ranks.
 
-    def __init__(self, mgr: NixlPluginKVManager) -> None:
-        super().__init__(mgr, "sgl-nixl-prefill-ctl")
-        self.peers: dict[str, DecodePeer] = {}
-        self.refused: dict[str, str] = {}  # agent -> reason its registration was refused
-        self.lock = threading.Lock()
+    ``wake(room)`` tells the transfer worker that owns ``room`` that a slot credit or grant
+    arrived for it, ``recall(room)`` that its decode wants idle slots back.
+    """
+
+    def __init__(
+        self, ctx: PrefillContext, wake: Callable[[int], None], recall: Callable[[int], None]
+    ) -> None:
+        s = ctx.settings
+        super().__init__(
+            ctx.zmq_ctx,
+            ctx.server_socket,
+            s.liveness_interval_s,
+            s.liveness_misses,
+            "sgl-nixl-prefill-ctl",
+        )
+        self.ctx = ctx
+        self.wake = wake
+        self.recall = recall
         self._pending: dict[tuple[str, int], str] = {}
 
     def on_frames(self, frames: list[Any]) -> None:
-        decoded = self.mgr.codec.decode(frames)
+        decoded = self.ctx.codec.decode(frames)
         if decoded is None:
             return
         try:
             self._dispatch(decoded.msg, decoded.kv, decoded.state)
         except Exception:
             logger.exception(
-                "sgl-nixl: error handling %s; the control thread goes on", type(decoded.msg).__name__
+                "sgl-nixl: error handling %s; the control thread goes on",
+                type(decoded.msg).__name__,
             )
 
     def on_lost(self, endpoint: tuple[str, int], why: str) -> None:
@@ -78,9 +83,9 @@ class PrefillControl(ControlLoop):
 
     def _pending_decodes(self) -> dict[tuple[str, int], str]:
         """Decode endpoints (-> agent) that still await data for some room."""
-        mgr, out = self.mgr, {}
-        for room, infos in list(mgr.transfer_infos.items()):
-            if mgr.request_status.get(room) in (None, FAILED, SUCCESS):
+        sg, out = self.ctx.sglang, {}
+        for room, infos in sg.rooms_with_destinations():
+            if not sg.is_open(room):
                 continue
             for info in list(infos.values()):
                 if not info.is_dummy:
@@ -88,12 +93,10 @@ class PrefillControl(ControlLoop):
         return out
 
     def check_liveness(self) -> None:
-        mgr = self.mgr
+        me, codec = self.ctx.me, self.ctx.codec
         self._pending = self._pending_decodes()
         self.watch.sync(set(self._pending))
-        self.watch.ping(
-            lambda seq: mgr.codec.encode(Ping(mgr.engine.name, mgr.local_ip, mgr.rank_port, seq))
-        )
+        self.watch.ping(lambda seq: codec.encode(Ping(me.name, me.ip, me.port, seq)))
         for ep, silent in self.watch.silent():
             self._lost(ep, f"stopped answering (no reply for {silent:.1f}s)", drop=False)
 
@@ -107,234 +110,259 @@ class PrefillControl(ControlLoop):
         if drop:
             self.drop_peer(agent, why)
         else:
-            self.mgr.fail_rooms_of_peer(agent, reason)
+            self.ctx.fail_rooms_of_peer(agent, reason)
 
     def _dispatch(self, msg: Any, kv: np.ndarray | None, state: list[np.ndarray]) -> None:
+        ctx = self.ctx
         if isinstance(msg, TransferRequest):
             self.on_request(msg, kv, state)
         elif isinstance(msg, PeerRegistration):
             self.on_registration(msg)
-        elif isinstance(msg, PieceDone):
-            free = self.mgr.remote_free.get(msg.room, {}).get(msg.agent_name)
-            if free is None:
-                return  # the room already ended: its last credits are not needed
-            problem = free.give_back(msg.slot, msg.seq)
-            if problem:
-                self.mgr.codec.rejections.reject("bad_credit", f"room {msg.room} {problem}")
+        elif isinstance(msg, PieceDone | SlotGrant):
+            rec = ctx.rooms.get(msg.room)
+            if rec is None:
+                return  # the room ended here: its last credits are not needed
+            credits = rec.credits.get(msg.agent_name)
+            if credits is None:
+                ctx.reject(
+                    "bad_credit", f"room {msg.room}: no staging slots of {msg.agent_name} here"
+                )
+                return
+            if isinstance(msg, PieceDone):
+                problem = credits.give_back(msg.slot, msg.seq)
             else:
-                self.mgr.wake_worker(msg.room)
-        elif isinstance(msg, SlotGrant):
-            free = self.mgr.remote_free.get(msg.room, {}).get(msg.agent_name)
-            if free is None:
-                return  # the room ended here: the decode takes the slot back at its end
-            problem = free.grant(msg.slot)
+                problem = credits.grant(msg.slot)
             if problem:
-                self.mgr.codec.rejections.reject("bad_credit", f"room {msg.room} {problem}")
+                ctx.reject("bad_credit", f"room {msg.room} {problem}")
             else:
-                self.mgr.wake_worker(msg.room)
+                self.wake(msg.room)
         elif isinstance(msg, SlotRecall):
-            free = self.mgr.remote_free.get(msg.room, {}).get(msg.agent_name)
-            if free is not None and free.returnable:  # else: ended, or nothing to give
-                self.mgr.workers[msg.room % len(self.mgr.workers)].recall(msg.room, msg.agent_name)
+            rec = ctx.rooms.get(msg.room)
+            if rec is not None and msg.agent_name in rec.credits:  # else: ended, or nothing held
+                rec.recalls.add(msg.agent_name)
+                self.recall(msg.room)
         elif isinstance(msg, Abort):
             self.on_abort(msg)
         elif isinstance(msg, Ping):
-            mgr = self.mgr
-            mgr.send_to((msg.ip, msg.port), Pong(mgr.engine.name, msg.seq, mgr.local_ip, mgr.rank_port))
+            me = ctx.me
+            ctx.send((msg.ip, msg.port), Pong(me.name, msg.seq, me.ip, me.port))
         elif isinstance(msg, Pong):
             self.watch.replied((msg.ip, msg.port))  # a decode we ping for its pending rooms
+        elif isinstance(msg, ForeignRegistration):
+            self.on_foreign_registration(msg)
         else:
-            self.mgr.codec.rejections.reject("unexpected", type(msg).__name__)
+            ctx.reject("unexpected", type(msg).__name__)
 
     # -- registration -------------------------------------------------------------------
+    def _reply(
+        self, endpoint: tuple[str, int], agent: str, reason: str = "", retry: bool = False
+    ) -> None:
+        me = self.ctx.me
+        self.ctx.send(
+            endpoint, RegistrationReply(agent, me.rank, not reason, reason, me.ip, me.port, retry)
+        )
+
+    def on_foreign_registration(self, reg: ForeignRegistration) -> None:
+        """A decode of another protocol version: refuse it in its own version's envelope,
+        naming both, so that its requests fail now instead of at the bootstrap timeout."""
+        reason = (
+            f"protocol version mismatch: decode speaks v{reg.version}, this prefill "
+            f"v{PROTOCOL_VERSION}: run the same sgl-nixl-plugin release on both sides"
+        )
+        logger.error(
+            "sgl-nixl: refused decode %s at %s:%s: %s", reg.agent_name, reg.ip, reg.port, reason
+        )
+        me = self.ctx.me
+        reply = RegistrationReply(reg.agent_name, me.rank, False, reason, me.ip, me.port)
+        self.ctx.transport.send_raw(
+            (reg.ip, reg.port), self.ctx.codec.encode_foreign(reply, reg.version)
+        )
+
     def on_registration(self, reg: PeerRegistration) -> None:
-        mgr = self.mgr
+        ctx = self.ctx
+        peers = ctx.peers
         endpoint = (reg.ip, reg.port)
-        reason = describe_mismatch(mgr.compat, reg.compat, "prefill")
-        if not reason and reg.compat_hash != mgr.compat_hash:
+        assert ctx.compat is not None
+        reason = describe_mismatch(ctx.compat, reg.compat, "prefill")
+        if not reason and reg.compat_hash != ctx.compat_hash:
             reason = "compatibility hash differs although every field matches: upgrade both sides"
         link = None
-        with self.lock:
-            known = self.peers.get(reg.agent_name)
+        with peers.lock:
+            known = peers.accepted.get(reg.agent_name)
         if known is not None and known.reg == reg:
             # The same decode process registering again (its cache was reset): keep the link.
             known.last_seen = time.monotonic()
-            mgr.send_to(
-                endpoint,
-                RegistrationReply(reg.agent_name, mgr.prefill_rank_id, True, "", mgr.local_ip,
-                                  mgr.rank_port, returns=mgr.settings.slot_returns),
-            )
+            self._reply(endpoint, reg.agent_name)
             return
         if known is not None:
             self.drop_peer(reg.agent_name, "re-registered with a different layout")
         if not reason:
             try:
-                layout = mgr.head_layout
-                dst_heads = decode_heads(
-                    layout, mgr.compat.page_size, int(mgr.kv_args.kv_item_lens[0]),
-                    reg.kv[0].item_len if reg.kv else 0, reg.tp_size,
-                ) if not mgr.is_mla_backend else 0
+                layout = ctx.head_layout
+                dst_heads = (
+                    decode_heads(
+                        layout,
+                        ctx.compat.page_size,
+                        ctx.kv_item_len,
+                        reg.kv[0].item_len if reg.kv else 0,
+                        reg.tp_size,
+                    )
+                    if not ctx.is_mla
+                    else 0
+                )
                 geometry = kv_geometry(
-                    is_mla=mgr.is_mla_backend,
-                    page_size=mgr.compat.page_size,
+                    is_mla=ctx.is_mla,
+                    page_size=ctx.compat.page_size,
                     head_bytes_=layout.head_bytes if layout else 0,
                     src_heads=layout.heads if layout else 0,
                     dst_heads=dst_heads,
-                    src_tp_rank=mgr.attn_tp_rank,
+                    src_tp_rank=ctx.attn_tp_rank,
                     dst_tp_rank=reg.tp_rank,
                 )
                 remote = remote_memory(reg.kv, reg.aux, reg.state)
-                mgr.check_peer_aux_buffer_count(reg.agent_name, len(reg.aux))
-                link = mgr.engine.link(reg.agent_metadata, remote, {"kv": geometry})
+                ctx.sglang.check_aux_count(reg.agent_name, len(reg.aux))
+                link = ctx.engine.link(reg.agent_metadata, remote, {"kv": geometry})
             except ValueError as exc:
                 reason = f"cannot serve decode rank {reg.tp_rank}/{reg.tp_size} layout: {exc}"
             except TransferError as exc:
                 # A transport problem (e.g. NIXL could not reach the peer) is not a verdict
                 # on the layout: don't remember it, let the decode register again.
                 logger.error("sgl-nixl: could not connect decode %s: %s", reg.agent_name, exc)
-                mgr.send_to(
-                    endpoint,
-                    RegistrationReply(
-                        reg.agent_name, mgr.prefill_rank_id, False, f"NIXL could not connect: {exc}",
-                        mgr.local_ip, mgr.rank_port, retry=True,
-                    ),
-                )
+                self._reply(endpoint, reg.agent_name, f"NIXL could not connect: {exc}", retry=True)
                 return
         old_link = None
-        with self.lock:
+        with peers.lock:
             stale = [
-                p for p in self.peers.values() if p.endpoint == endpoint and p.agent != reg.agent_name
+                p
+                for p in peers.accepted.values()
+                if p.endpoint == endpoint and p.agent != reg.agent_name
             ]
             for gone in stale:
                 self._drop_peer_locked(gone, "decode at this address restarted")
             if reason:
-                self.refused[reg.agent_name] = reason
+                peers.refused[reg.agent_name] = reason
             else:
-                previous = self.peers.pop(reg.agent_name, None)
+                assert link is not None
+                previous = peers.accepted.pop(reg.agent_name, None)
                 old_link = previous.link if previous is not None else None
                 staging = None
                 if reg.staging is not None:
                     r = reg.staging.region
                     staging = RemoteStaging(
-                        r.ptr, reg.staging.slot_bytes, r.device, r.mem_kind,
-                        reg.staging.device_uuid, reg.staging.returns,
+                        r.ptr, reg.staging.slot_bytes, r.device, r.mem_kind, reg.staging.device_uuid
                     )
-                self.peers[reg.agent_name] = DecodePeer(reg.agent_name, link, reg, endpoint, staging=staging)
-                self.refused.pop(reg.agent_name, None)
+                peers.accepted[reg.agent_name] = DecodePeer(
+                    reg.agent_name, link, reg, endpoint, staging=staging
+                )
+                peers.refused.pop(reg.agent_name, None)
         if old_link is not None:
-            mgr.engine_unlink(old_link)
+            ctx.unlink(old_link)
         if reason:
-            logger.error("sgl-nixl: refused decode %s at %s:%s: %s", reg.agent_name, *endpoint, reason)
+            logger.error(
+                "sgl-nixl: refused decode %s at %s:%s: %s", reg.agent_name, *endpoint, reason
+            )
         else:
             logger.info(
                 "sgl-nixl: decode %s (tp %d/%d) at %s:%s connected",
-                reg.agent_name, reg.tp_rank, reg.tp_size, *endpoint,
+                reg.agent_name,
+                reg.tp_rank,
+                reg.tp_size,
+                *endpoint,
             )
-        mgr.send_to(
-            endpoint,
-            RegistrationReply(
-                reg.agent_name, mgr.prefill_rank_id, not reason, reason, mgr.local_ip,
-                mgr.rank_port, returns=not reason and mgr.settings.slot_returns,
-            ),
-        )
+        self._reply(endpoint, reg.agent_name, reason)
 
     def _drop_peer_locked(self, peer: DecodePeer, why: str) -> None:
-        self.peers.pop(peer.agent, None)
-        self.mgr.engine_unlink(peer.link)
-        self.mgr.fail_rooms_of_peer(peer.agent, f"decode {peer.agent} at {peer.endpoint[0]}:{peer.endpoint[1]}: {why}")
+        self.ctx.peers.accepted.pop(peer.agent, None)
+        self.ctx.unlink(peer.link)
+        self.ctx.fail_rooms_of_peer(
+            peer.agent, f"decode {peer.agent} at {peer.endpoint[0]}:{peer.endpoint[1]}: {why}"
+        )
 
     def drop_peer(self, agent: str, why: str) -> None:
-        with self.lock:
-            peer = self.peers.get(agent)
+        with self.ctx.peers.lock:
+            peer = self.ctx.peers.accepted.get(agent)
             if peer is not None:
                 self._drop_peer_locked(peer, why)
 
     # -- per-request metadata -------------------------------------------------------------
-    def on_request(self, req: TransferRequest, kv: np.ndarray | None, state: list[np.ndarray]) -> None:
-        mgr = self.mgr
+    def on_request(
+        self, req: TransferRequest, kv: np.ndarray | None, state: list[np.ndarray]
+    ) -> None:
+        ctx, sg = self.ctx, self.ctx.sglang
         room, target = req.room, (req.ip, req.port)
-        with self.lock:
-            peer = self.peers.get(req.agent_name)
-            refused = self.refused.get(req.agent_name)
+        peer, refused = ctx.peers.lookup(req.agent_name)
         if peer is None:
             reason = refused or (
                 f"prefill has no registration from decode agent {req.agent_name} "
                 "(it restarted or was dropped); it re-registers on its next request"
             )
-            mgr.send_to(target, TransferStatus(room, FAILED, mgr.prefill_rank_id, reason))
-            self._fail_locally(room, reason)
+            ctx.send(
+                target, TransferStatus(room, FAILED, ctx.me.rank, reason, ctx.me.ip, ctx.me.port)
+            )
+            sg.fail(room, reason)  # this side's sender too: it must not sit until the timeout
             if refused is None:
-                mgr.send_to(
-                    target,
-                    RegistrationReply(
-                        req.agent_name, mgr.prefill_rank_id, False, reason,
-                        mgr.local_ip, mgr.rank_port, retry=True,
-                    ),
-                )
+                self._reply(target, req.agent_name, reason, retry=True)
             return
         peer.last_seen = time.monotonic()
         kv = np.empty(0, np.int32) if kv is None else kv
         problem = None
         if not req.is_dummy:
             kv_group = peer.link.groups.get("kv")
-            problem = validate_items(kv, kv_group.remote_items if kv_group else 0, "destination page")
+            problem = validate_items(
+                kv, kv_group.remote_items if kv_group else 0, "destination page"
+            )
             aux_group = peer.link.groups.get("aux")
             if problem is None and req.aux_index >= 0 and aux_group is not None:
-                problem = validate_items(np.array([req.aux_index]), aux_group.remote_items, "aux row")
+                problem = validate_items(
+                    np.array([req.aux_index]), aux_group.remote_items, "aux row"
+                )
             for i, s in enumerate(state):
                 g = peer.link.groups.get(f"state{i}")
                 if problem is None and len(s):
                     problem = validate_items(s, g.remote_items if g else 0, f"state[{i}]")
         if problem is not None:
-            mgr.codec.rejections.reject("index_out_of_range", f"room {room}: {problem}", req.agent_name)
+            ctx.reject("index_out_of_range", f"room {room}: {problem}", req.agent_name)
             # Only the sender of the bad request is told: a forged request must not be able
             # to fail a room that its real decode is about to claim.
-            mgr.send_to(target, TransferStatus(room, FAILED, mgr.prefill_rank_id, problem))
+            ctx.send(
+                target, TransferStatus(room, FAILED, ctx.me.rank, problem, ctx.me.ip, ctx.me.port)
+            )
             return
-        infos = mgr.transfer_infos.setdefault(room, {})
-        if req.agent_name in infos:
-            mgr.codec.rejections.reject("duplicate_request", f"room {room}", req.agent_name)
-            return
-        infos[req.agent_name] = TransferInfo(
-            room=room,
-            agent=req.agent_name,
-            endpoint=req.ip,
-            dst_port=req.port,
-            dst_pages=kv,
-            aux_index=req.aux_index,
-            state=list(state),
-            required_dst_info_num=req.required_dst_info_num,
-            is_dummy=req.is_dummy,
+        count = sg.add_destination(
+            TransferInfo(
+                room=room,
+                agent=req.agent_name,
+                endpoint=req.ip,
+                dst_port=req.port,
+                dst_pages=kv,
+                aux_index=req.aux_index,
+                state=list(state),
+                required_dst_info_num=req.required_dst_info_num,
+                is_dummy=req.is_dummy,
+            )
         )
-        mgr.room_seen[room] = time.monotonic()
-        if (req.staging_slots or req.staging_wait) and not req.is_dummy:
-            credits = SlotCredits(req.staging_slots, returnable=bool(
-                peer.staging and peer.staging.returns and mgr.settings.slot_returns))
-            mgr.remote_free.setdefault(room, {})[req.agent_name] = credits
-            if not req.staging_slots and not credits.returnable:
-                # the decode had none free: wait in its queue (a decode that takes slots
-                # back is asked when the first chunk is ready instead, see TransferWorker)
-                credits.asked = True
-                mgr.send_to((req.ip, req.port),
-                            SlotAsk(room, mgr.engine.name, mgr.local_ip, mgr.rank_port))
+        if count is None:
+            ctx.reject("duplicate_request", f"room {room}", req.agent_name)
+            return
+        rec = ctx.rooms.open(room)  # the room's record: from its first destination
+        if req.staged and not req.is_dummy and peer.staging is not None:
+            rec.credits[req.agent_name] = SlotCredits(req.staging_slots)
         if req.decode_prefix_len:
-            mgr.req_to_decode_prefix_len[room] = req.decode_prefix_len
-        if len(infos) >= req.required_dst_info_num:
-            mgr.update_status(room, WAITING_FOR_INPUT)
-
-    def _fail_locally(self, room: int, reason: str) -> None:
-        """Fail this side's sender too, so it doesn't sit until the bootstrap timeout."""
-        mgr = self.mgr
-        if mgr.request_status.get(room) not in (None, SUCCESS, FAILED):
-            mgr.record_failure(room, reason)
-            mgr.update_status(room, FAILED)
+            sg.set_decode_prefix_len(room, req.decode_prefix_len)
+        if count >= req.required_dst_info_num:
+            sg.mark_ready(room)
 
     # -- aborts ---------------------------------------------------------------------------
     def on_abort(self, msg: Abort) -> None:
-        mgr = self.mgr
         room = msg.room
-        reason = f"decode {msg.ip}:{msg.port}: {msg.reason}" if msg.reason else "Aborted by the decode side"
-        if not mgr.note_early_abort(room, reason):
-            logger.info("sgl-nixl: room %s: the decode gave it up before it got here: %s", room, reason)
+        reason = (
+            f"decode {msg.ip}:{msg.port}: {msg.reason}"
+            if msg.reason
+            else "Aborted by the decode side"
+        )
+        if not self.ctx.note_early_abort(room, reason):
+            logger.info(
+                "sgl-nixl: room %s: the decode gave it up before it got here: %s", room, reason
+            )
         if msg.generation is not None and msg.ip:
-            mgr.ack_abort_when_drained(room, msg.ip, msg.port, msg.generation)
+            self.ctx.sglang.ack_abort_when_drained(room, msg.ip, msg.port, msg.generation)

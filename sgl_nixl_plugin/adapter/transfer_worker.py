@@ -2,7 +2,9 @@
 
 A worker submits each chunk's WRITEs (direct or staged) without waiting and polls every
 transfer it has in flight with backoff, so many rooms bound for the same decode move at once.
-Rooms are sharded across workers by room id, so one room's chunks stay in order.
+Rooms are sharded across workers by room id, so one room's chunks stay in order; the worker
+that owns a room is the only thread that changes its record's transfers, and the one that
+closes it (``PrefillRooms.close``) once nothing is in flight.
 """
 
 from __future__ import annotations
@@ -12,21 +14,13 @@ import os
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from sgl_nixl_plugin import metrics
-from sgl_nixl_plugin.adapter.prefill_state import (
-    FAILED,
-    SUCCESS,
-    Chunk,
-    DecodePeer,
-    RoomProgress,
-    SlotCredits,
-    StagedJob,
-    TransferInfo,
-)
+from sgl_nixl_plugin.adapter.context import PrefillContext
 from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.descriptors import expected_descriptors
 from sgl_nixl_plugin.engine.staging import (
@@ -36,26 +30,15 @@ from sgl_nixl_plugin.engine.staging import (
     staging_unit_len,
     unit_indices_of,
 )
-from sgl_nixl_plugin.wire.messages import (
-    PieceReady,
-    SlotAsk,
-    SlotReturn,
-)
-
-if TYPE_CHECKING:
-    from sgl_nixl_plugin.adapter.manager import NixlPluginKVManager
+from sgl_nixl_plugin.protocol.credits import SlotCredits
+from sgl_nixl_plugin.protocol.peers import DecodePeer
+from sgl_nixl_plugin.protocol.prefill_rooms import Chunk, PrefillPhase, PrefillRoom, TransferInfo
+from sgl_nixl_plugin.wire.messages import PieceReady, SlotAsk, SlotReturn
 
 logger = logging.getLogger(__name__)
 
 
 _WAKE = object()  # queued by the control thread when a receiver credit arrives
-
-
-def _issue(credits: object, slot: int) -> int:
-    """The piece sequence number the decode must echo in its PieceDone (0: untracked)."""
-    return credits.issue(slot) if isinstance(credits, SlotCredits) else 0
-
-
 _MPS_HINTED = threading.Event()
 
 
@@ -79,6 +62,21 @@ def _hint_mps(room: int) -> None:
         )
 
 
+@dataclass(eq=False)  # identity: holds arrays and live state
+class StagedJob:
+    """One chunk's staged transfer to one decode rank, and what the decode must be told."""
+
+    send: StagedSend
+    info: TransferInfo
+    peer: DecodePeer
+    page_start: int
+    page_count: int
+    src_pages: np.ndarray  # for the direct fallback when no receiver slot comes in time
+    dst_pages: np.ndarray
+    created: float = field(default_factory=time.monotonic)
+    fell_back: bool = False  # sent direct instead (no receiver slot in time)
+
+
 class TransferWorker:
     """Submits chunks without blocking and completes every transfer it has in flight."""
 
@@ -86,20 +84,13 @@ class TransferWorker:
     MIN_BACKOFF_S = 20e-6
     MAX_BACKOFF_S = 1e-3
 
-    def __init__(self, mgr: NixlPluginKVManager, index: int) -> None:
-        self.mgr = mgr
+    def __init__(self, ctx: PrefillContext, index: int) -> None:
+        self.ctx = ctx
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.rooms: dict[int, RoomProgress] = {}
+        self.active: dict[int, PrefillRoom] = {}  # the rooms this worker claimed
         self._backoff = self.MIN_BACKOFF_S
         self._stop = threading.Event()
-        self._last_sweep = time.monotonic()
-        # (room, decode agent): that decode asked for the room's slots back; a recall stands
-        # until its slots are returned or the room ends
-        self._recalls: set[tuple[int, str]] = set()
-        self._recall_lock = threading.Lock()
-        self.thread = threading.Thread(
-            target=self._run, name=f"sgl-nixl-xfer-{index}", daemon=True
-        )
+        self.thread = threading.Thread(target=self._run, name=f"sgl-nixl-xfer-{index}", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
@@ -109,22 +100,20 @@ class TransferWorker:
         self.queue.put(None)
 
     def wake(self) -> None:
-        """A receiver slot came back for one of our rooms: step its staged job now."""
+        """A receiver slot came for one of our rooms: step its jobs now."""
         self.queue.put(_WAKE)
 
-    def recall(self, room: int, agent: str) -> None:
-        """Decode ``agent`` asks for ``room``'s idle slots (SlotRecall): handled on this
-        thread, the only one that starts staged jobs, so a slot is never returned while a
-        job is about to write it."""
-        with self._recall_lock:
-            self._recalls.add((room, agent))
-        self.queue.put(_WAKE)
+    def recall(self, room: int) -> None:
+        """A decode wants ``room``'s idle slots back (the room may have no chunk yet):
+        served on this thread, the only one that starts staged jobs, so a slot is never
+        returned while a job is about to write it."""
+        self.queue.put(room)
 
     def _run(self) -> None:
-        if self.mgr.copier is not None:
-            self.mgr.copier.bind(self.mgr.copy_stream)  # this thread gathers on that stream
+        if self.ctx.copier is not None:
+            self.ctx.copier.bind(self.ctx.copy_stream)  # this thread gathers on that stream
         while not self._stop.is_set():
-            busy = any(p.busy for p in self.rooms.values())
+            busy = any(r.busy for r in self.active.values())
             try:
                 chunk = self.queue.get(timeout=self._backoff if busy else self.IDLE_WAIT_S)
             except queue.Empty:
@@ -132,19 +121,20 @@ class TransferWorker:
             try:
                 while chunk is not None:
                     self._backoff = self.MIN_BACKOFF_S
-                    if chunk is not _WAKE:
+                    if isinstance(chunk, int):
+                        rec = self.active.get(chunk) or self.ctx.rooms.get(chunk)
+                        if rec is not None:
+                            self._serve_recalls(rec)
+                    elif chunk is not _WAKE:
                         self._submit(chunk)
                     chunk = self.queue.get_nowait() if not self.queue.empty() else None
-                staged = any(j.send.needs_polling for p in self.rooms.values() for j in p.jobs)
+                staged = any(j.send.needs_polling for r in self.active.values() for j in r.jobs)
                 if self._poll() == 0 and busy and not staged:
                     # staged pieces move in ~0.1 ms steps (gather done, WRITE done, slot
                     # freed): keep the shortest wait while any is in flight
                     self._backoff = min(self._backoff * 2, self.MAX_BACKOFF_S)
                 else:
                     self._backoff = self.MIN_BACKOFF_S
-                if self._recalls:
-                    self._serve_recalls()
-                self._sweep()
             except Exception:
                 logger.exception("sgl-nixl: transfer worker error; it goes on")
 
@@ -153,43 +143,45 @@ class TransferWorker:
         # Count this submission as outstanding *before* reading the room's status: an abort
         # marks the room Failed, then acks once nothing is outstanding, so either it sees
         # this reservation (and its ack waits for the WRITEs posted here) or we see Failed.
-        mgr, room = self.mgr, chunk.room
-        mgr._staging_outstanding[room] += 1
+        sg, room = self.ctx.sglang, chunk.room
+        sg.begin_transfer(room)
         try:
             self._submit_reserved(chunk)
         except Exception as exc:  # a bug must fail the room, never let it end as Success
             logger.exception("sgl-nixl: room %s: submitting a chunk failed", room)
-            self._fail(room, f"internal error while submitting a chunk: {exc!r}")
+            rec = self.active.get(room) or self.active.setdefault(room, self.ctx.rooms.claim(room))
+            self._fail(rec, f"internal error while submitting a chunk: {exc!r}")
         finally:
-            mgr.transfer_settled(room)
+            sg.end_transfer(room)
 
     def _submit_reserved(self, chunk: Chunk) -> None:
-        mgr, room = self.mgr, chunk.room
-        prog = self.rooms.setdefault(room, RoomProgress())
-        prog.last_seen = prog.last_seen or chunk.is_last
-        status = mgr.request_status.get(room)
-        if prog.failed or status is None or status == FAILED:
-            prog.failed = True
-            self._maybe_finish(room)
+        sg, room = self.ctx.sglang, chunk.room
+        rec = self.active.get(room)
+        if rec is None:
+            rec = self.active[room] = self.ctx.rooms.claim(room)
+        rec.last_chunk_seen = rec.last_chunk_seen or chunk.is_last
+        if rec.stopping or sg.is_failed_or_gone(room):
+            rec.fail(rec.reason or "room ended")
+            self._maybe_finish(rec)
             return
         for ev in chunk.events:
             ev.synchronize()  # the forward pass must have written these pages
-        infos = mgr.transfer_infos.get(room) or {}
+        infos = sg.destinations(room)
         if not infos:
-            self._fail(room, "no decode destination was received for this room")
+            self._fail(rec, "no decode destination was received for this room")
             return
         try:
             for info in list(infos.values()):
                 if not info.is_dummy:
-                    self._submit_to(prog, chunk, info)
+                    self._submit_to(rec, chunk, info)
         except (TransferError, ValueError) as exc:
-            self._fail(room, str(exc))
+            self._fail(rec, str(exc))
             return
-        self._maybe_finish(room)
+        self._maybe_finish(rec)
 
-    def _submit_to(self, prog: RoomProgress, chunk: Chunk, info: TransferInfo) -> None:
-        mgr = self.mgr
-        peer = mgr.control.peers.get(info.agent)
+    def _submit_to(self, rec: PrefillRoom, chunk: Chunk, info: TransferInfo) -> None:
+        ctx = self.ctx
+        peer = ctx.peers.get(info.agent)
         if peer is None:
             raise TransferError(f"decode {info.agent} is no longer connected")
         dst = info.dst_pages[chunk.index_slice]
@@ -199,18 +191,20 @@ class TransferWorker:
                 f"{chunk.index_slice.stop} (chunk {chunk.index_slice.start}:"
                 f"{chunk.index_slice.stop}): page counts disagree"
             )
-        engine, link = mgr.engine, peer.link
+        engine, link = ctx.engine, peer.link
         xfers = []
-        job = self._staged(prog, chunk, info, peer, dst)
+        job = self._staged(rec, chunk, info, peer, dst)
         if job is not None:
-            prog.jobs.append(job)
-            prog.path = "staging"
+            rec.jobs.append(job)
+            rec.path = "staging"
         else:
             xfers.append(engine.write(link, "kv", chunk.pages, dst))
         if chunk.is_last:
             if chunk.aux_index is not None and info.aux_index >= 0:
                 xfers.append(
-                    engine.write(link, "aux", np.array([chunk.aux_index]), np.array([info.aux_index]))
+                    engine.write(
+                        link, "aux", np.array([chunk.aux_index]), np.array([info.aux_index])
+                    )
                 )
             for i, (src, dst_state) in enumerate(zip(chunk.state or [], info.state, strict=False)):
                 if src is None or not len(dst_state):
@@ -221,283 +215,284 @@ class TransferWorker:
                         f"state[{i}]: prefill has {len(src)} indices, decode {len(dst_state)}"
                     )
                 xfers.append(engine.write(link, f"state{i}", src, dst_state))
-        prog.peers.add(info.agent)
+        rec.peers.add(info.agent)
         for x in xfers:
-            if x is None:
-                continue
-            prog.xfers.append(x)
-            prog.nbytes += x.nbytes
-            prog.descriptors += x.descriptors
-            mgr._staging_outstanding[chunk.room] += 1
+            self._track(rec, x)
+
+    def _track(self, rec: PrefillRoom, x: Any) -> None:
+        if x is None:
+            return
+        rec.xfers.append(x)
+        rec.nbytes += x.nbytes
+        rec.descriptors += x.descriptors
+        self.ctx.sglang.begin_transfer(rec.room)
 
     def _staged(
-        self, prog: RoomProgress, chunk: Chunk, info: TransferInfo, peer: DecodePeer, dst: np.ndarray
+        self, rec: PrefillRoom, chunk: Chunk, info: TransferInfo, peer: DecodePeer, dst: np.ndarray
     ) -> StagedJob | None:
         """A staged job for this chunk if the rule in ``choose_path`` prefers it, else None."""
-        mgr = self.mgr
+        ctx = self.ctx
         g = peer.link.groups.get("kv")
-        credits = mgr.remote_free.get(chunk.room, {}).get(info.agent)
-        staging = mgr.staging
-        unit_len = staging_unit_len(mgr.engine.memory.kv, g.geometry) if g else None
+        credits = rec.credits.get(info.agent)
+        staging = ctx.staging
+        unit_len = staging_unit_len(ctx.engine.memory.kv, g.geometry) if g else None
         slot = min(staging.slot_bytes, peer.staging.slot_bytes) if staging and peer.staging else 0
         possible = bool(
             g and credits is not None and unit_len and unit_len <= slot and len(chunk.pages)
         )
         n = len(chunk.pages)
         path = choose_path(
-            mode=mgr.settings.transfer_path,
-            descriptors=0 if not g else expected_descriptors(chunk.pages, dst, g.num_regions, g.geometry),
+            mode=ctx.settings.transfer_path,
+            descriptors=0
+            if not g
+            else expected_descriptors(chunk.pages, dst, g.num_regions, g.geometry),
             nbytes=0 if not g else g.unit_bytes * n,
-            mem_kind=mgr.kv_mem_kind,
+            mem_kind=ctx.mem_kind,
             slot_bytes=staging.slot_bytes if staging is not None else 1,
             staging_possible=possible,
         )
         if path != "staging":
             return None
+        assert g is not None and credits is not None and staging is not None and unit_len
+        assert peer.staging is not None
         geo = g.geometry
         units = unit_indices_of(chunk.pages, geo)
-        if credits.returnable:
-            self._ask_slots(chunk.room, info, credits)
+        self._ask_slots(rec.room, info, credits)
         same_device = bool(staging.device_uuid) and staging.device_uuid == peer.staging.device_uuid
         if same_device:
-            _hint_mps(chunk.room)
+            _hint_mps(rec.room)
         send = StagedSend(
-            agent=mgr.engine.agent,
-            copier=mgr.copier,
+            agent=ctx.engine.agent,
+            copier=ctx.copier,
             local=staging,
             remote=peer.staging,
             peer=peer.link.name,
-            src_bases=np.asarray(mgr.engine.memory.kv.ptrs, dtype=np.uint64)[: g.num_regions],
+            src_bases=np.asarray(ctx.engine.memory.kv.ptrs, dtype=np.uint64)[: g.num_regions],
             units=units,
             geometry=geo,
             pieces=plan_request(
-                g.num_regions, len(units), unit_len, slot, mgr.kv_mem_kind, same_device
+                g.num_regions, len(units), unit_len, slot, ctx.mem_kind, same_device
             ),
             remote_free=credits,
             receiver_slots=credits.held,
-            stream=mgr.copy_stream,
-            drain_timeout_s=mgr.settings.abort_drain_timeout_s,
+            stream=ctx.copy_stream,
+            drain_timeout_s=ctx.settings.abort_drain_timeout_s,
         )
         return StagedJob(send, info, peer, chunk.index_slice.start, n, chunk.pages, dst)
 
-    def _step_jobs(self, room: int, prog: RoomProgress) -> int:
+    def _step_jobs(self, rec: PrefillRoom) -> int:
         """Advance the room's staged jobs; tell decodes about landed pieces.
 
         Staged WRITEs count as outstanding like direct ones (an abort is acked only once
         they ended), reserved before the status check as in ``_submit``; a landed piece
         settles only after its PieceReady went out, so the ack can't overtake it.
         """
-        mgr = self.mgr
-        mgr._staging_outstanding[room] += 1
+        sg = self.ctx.sglang
+        sg.begin_transfer(rec.room)
         try:
-            return self._step_jobs_reserved(room, prog)
+            return self._step_jobs_reserved(rec)
         finally:
-            mgr.transfer_settled(room)
+            sg.end_transfer(rec.room)
 
-    def _step_jobs_reserved(self, room: int, prog: RoomProgress) -> int:
-        mgr, settled = self.mgr, 0
-        if not prog.failed and mgr.request_status.get(room) in (None, FAILED):
-            prog.failed = True  # aborted or cleared: stop sending, let WRITEs drain
-        if prog.failed:
-            for job in prog.jobs:
+    def _step_jobs_reserved(self, rec: PrefillRoom) -> int:
+        ctx, sg, room, settled = self.ctx, self.ctx.sglang, rec.room, 0
+        if not rec.stopping and sg.is_failed_or_gone(room):
+            rec.fail("room ended")  # aborted or cleared: stop sending, let WRITEs drain
+        if rec.stopping:
+            for job in rec.jobs:
                 job.send.abandon("room ended")
-        for job in list(prog.jobs):
+        for job in list(rec.jobs):
             if job.send.finished and not job.send.in_flight:
                 continue
-            if self._slot_wait_over(job) and not prog.failed:
-                self._go_direct(room, prog, job)
+            if self._slot_wait_over(job) and not rec.stopping:
+                self._go_direct(rec, job)
                 continue
             posted, ended = job.send.posted, job.send.settled
             landed = job.send.step()
             if job.send.posted > posted:
-                mgr._staging_outstanding[room] += job.send.posted - posted
+                sg.begin_transfer(room, job.send.posted - posted)
             for piece, slot in landed:
                 settled += 1
                 geo = job.send.geometry
-                mgr.send_to(
+                me = ctx.me
+                ctx.send(
                     job.peer.endpoint,
                     PieceReady(
-                        room=room, prefill_rank=mgr.prefill_rank_id, ip=mgr.local_ip,
-                        port=mgr.rank_port, slot=slot, r0=piece.r0, r1=piece.r1,
-                        j0=piece.j0, j1=piece.j1, page_start=job.page_start,
-                        page_count=job.page_count, unit_len=piece.unit_len,
+                        room=room,
+                        prefill_rank=me.rank,
+                        ip=me.ip,
+                        port=me.port,
+                        slot=slot,
+                        r0=piece.r0,
+                        r1=piece.r1,
+                        j0=piece.j0,
+                        j1=piece.j1,
+                        page_start=job.page_start,
+                        page_count=job.page_count,
+                        unit_len=piece.unit_len,
                         units_per_item=geo.units_per_item,
-                        dst_stride=geo.dst_stride or piece.unit_len, dst_offset=geo.dst_offset,
-                        seq=_issue(job.send.remote_free, slot),
+                        dst_stride=geo.dst_stride or piece.unit_len,
+                        dst_offset=geo.dst_offset,
+                        seq=job.send.remote_free.issue(slot),
                     ),
                 )
             for _ in range(job.send.settled - ended):
-                mgr.transfer_settled(room)
-            if job.send.error and not prog.failed:
+                sg.end_transfer(room)
+            if job.send.error and not rec.stopping:
                 job.send.abandon()
-                self._fail(room, f"staged transfer to {job.info.agent} failed: {job.send.error}", finish=False)
-        if prog.jobs and not any(j.send.in_flight or not j.send.finished for j in prog.jobs):
-            broken = next((j for j in prog.jobs if j.send.error and not j.fell_back), None)
-            if broken is not None and not prog.failed:
+                self._fail(
+                    rec,
+                    f"staged transfer to {job.info.agent} failed: {job.send.error}",
+                    finish=False,
+                )
+        if rec.jobs and not any(j.send.in_flight or not j.send.finished for j in rec.jobs):
+            broken = next((j for j in rec.jobs if j.send.error and not j.fell_back), None)
+            if broken is not None and not rec.stopping:
                 # never conclude Success for a chunk whose pieces did not all land
-                self._fail(room, f"staged transfer to {broken.info.agent} failed: "
-                           f"{broken.send.error}", finish=False)
-            prog.nbytes += sum(j.send.nbytes for j in prog.jobs)
-            prog.descriptors += sum(j.send.done_pieces for j in prog.jobs)
-            prog.jobs = []
+                self._fail(
+                    rec,
+                    f"staged transfer to {broken.info.agent} failed: {broken.send.error}",
+                    finish=False,
+                )
+            rec.nbytes += sum(j.send.nbytes for j in rec.jobs)
+            rec.descriptors += sum(j.send.done_pieces for j in rec.jobs)
+            rec.jobs = []
         return settled
 
     def _slot_wait_over(self, job: StagedJob) -> bool:
         """Nothing posted yet and no receiver slot came within ``slot_wait_s``."""
         s = job.send
         return (
-            s.posted == 0 and not s.remote_free and not s.error
-            and time.monotonic() - job.created > self.mgr.settings.slot_wait_s
+            s.posted == 0
+            and not s.remote_free
+            and not s.error
+            and time.monotonic() - job.created > self.ctx.settings.slot_wait_s
         )
 
-    def _go_direct(self, room: int, prog: RoomProgress, job: StagedJob) -> None:
+    def _go_direct(self, rec: PrefillRoom, job: StagedJob) -> None:
         """The decode's staging stayed busy: send this chunk with direct descriptors."""
-        mgr = self.mgr
+        ctx = self.ctx
         job.fell_back = True
-        mgr.staged_fallbacks += 1
+        ctx.fallbacks += 1
         job.send.abandon("no receiver staging slot")  # gives back gathered local slots
-        prog.jobs = [j for j in prog.jobs if j is not job]
+        rec.jobs = [j for j in rec.jobs if j is not job]
         logger.info(
             "sgl-nixl: room %s: no staging slot from decode %s within %.1fs; chunk goes direct",
-            room, job.info.agent, mgr.settings.slot_wait_s,
+            rec.room,
+            job.info.agent,
+            ctx.settings.slot_wait_s,
         )
         try:
-            x = mgr.engine.write(job.peer.link, "kv", job.src_pages, job.dst_pages)
+            self._track(rec, ctx.engine.write(job.peer.link, "kv", job.src_pages, job.dst_pages))
         except (TransferError, ValueError) as exc:
-            self._fail(room, str(exc), finish=False)
-            return
-        if x is not None:
-            prog.xfers.append(x)
-            prog.nbytes += x.nbytes
-            prog.descriptors += x.descriptors
-            mgr._staging_outstanding[room] += 1
+            self._fail(rec, str(exc), finish=False)
 
     # -- receiver slots ------------------------------------------------------------------
     def _ask_slots(self, room: int, info: TransferInfo, credits: SlotCredits) -> None:
-        """A staged chunk found no receiver slot: join the decode's queue (once until
-        granted). To decodes that take slots back this is the first ask of the room."""
+        """A staged chunk found no receiver slot: join the decode's queue (once until granted)."""
         if credits or credits.granted or credits.asked:  # free, in use by a chunk, or asked
             return
         credits.asked = True
-        mgr = self.mgr
-        mgr.send_to((info.endpoint, info.dst_port),
-                    SlotAsk(room, mgr.engine.name, mgr.local_ip, mgr.rank_port))
+        me = self.ctx.me
+        self.ctx.send((info.endpoint, info.dst_port), SlotAsk(room, me.name, me.ip, me.port))
 
-    def _return_slots(self, room: int) -> None:
-        """Give every decode of ``room`` that takes slots back the ones no chunk uses (all
-        pieces written there were scattered): between chunks."""
-        for agent, credits in list(self.mgr.remote_free.get(room, {}).items()):
-            if credits.returnable:
-                self._give_back(room, agent, credits)
-
-    def _give_back(self, room: int, agent: str, credits: SlotCredits) -> bool:
-        """Return ``credits`` to decode ``agent`` if every slot is free; whether it did."""
-        mgr = self.mgr
-        info = (mgr.transfer_infos.get(room) or {}).get(agent)
-        slots = credits.take_all() if info is not None else []
+    def _give_back(self, rec: PrefillRoom, agent: str) -> bool:
+        """Return ``agent``'s slots of the room if every one is free; whether it did."""
+        credits = rec.credits.get(agent)
+        info = self.ctx.sglang.destinations(rec.room).get(agent)
+        slots = credits.take_all() if credits is not None and info is not None else []
         if slots:
-            mgr.send_to((info.endpoint, info.dst_port),
-                        SlotReturn(room, mgr.engine.name, mgr.local_ip, mgr.rank_port, slots))
+            me = self.ctx.me
+            self.ctx.send(
+                (info.endpoint, info.dst_port), SlotReturn(rec.room, me.name, me.ip, me.port, slots)
+            )
         return bool(slots)
 
-    def _serve_recalls(self) -> None:
+    def _serve_recalls(self, rec: PrefillRoom) -> None:
         """A recall means a ready room waits for slots on that decode. Its slots go back
         once no unfinished chunk of the room writes there, also after the room's last
         chunk: with several decode ranks, one that granted room B before room A would
         otherwise hold A's last chunk while A holds B's slots on another rank, until
         ``SLOT_WAIT``. A recall stands until served or the room ends (pieces in flight
         when it arrives are usually scattered a moment later)."""
-        with self._recall_lock:
-            recalls = set(self._recalls)
-        served = set()
-        for room, agent in recalls:
-            prog = self.rooms.get(room)
-            credits = self.mgr.remote_free.get(room, {}).get(agent)
-            if credits is None or not credits.granted or (prog is not None and prog.failed):
-                served.add((room, agent))  # ended, nothing held, or failing: nothing to do
+        for agent in list(rec.recalls):
+            credits = rec.credits.get(agent)
+            if credits is None or not credits.granted or rec.stopping:
+                rec.recalls.discard(agent)  # ended, nothing held, or failing: nothing to do
                 continue
-            if prog is not None and any(
-                j.info.agent == agent and (j.send.in_flight or not j.send.finished) for j in prog.jobs
+            if any(
+                j.info.agent == agent and (j.send.in_flight or not j.send.finished)
+                for j in rec.jobs
             ):
                 continue  # a chunk writes there now: once it is done
-            if self._give_back(room, agent, credits):
-                served.add((room, agent))
-        with self._recall_lock:
-            self._recalls -= served
+            if self._give_back(rec, agent):
+                rec.recalls.discard(agent)
 
     # -- completion ----------------------------------------------------------------------
     def _poll(self) -> int:
         """Poll every transfer in flight; returns how many settled."""
-        settled = 0
-        for room in list(self.rooms):
-            prog = self.rooms[room]
-            if prog.jobs:
+        ctx, settled = self.ctx, 0
+        for rec in list(self.active.values()):
+            if rec.jobs:
                 try:
-                    settled += self._step_jobs(room, prog)
+                    settled += self._step_jobs(rec)
                 except Exception as exc:  # as in _submit: fail the room, keep the worker
-                    logger.exception("sgl-nixl: room %s: staged transfer step failed", room)
-                    self._fail(room, f"internal error in a staged transfer: {exc!r}", finish=False)
-            if not (prog.jobs or prog.failed or prog.last_seen):
-                self._return_slots(room)  # between chunks: let other rooms use them
-            if not prog.xfers:
-                self._maybe_finish(room)
-                continue
-            remaining = []
-            stuck_after = self.mgr.settings.abort_drain_timeout_s
-            for x in prog.xfers:
-                state = self.mgr.engine.poll(x)
-                if state == "PROC" and prog.failed and time.perf_counter() - x.started > stuck_after:
-                    self.mgr.engine.agent.abandon(x)  # its peer is gone: it will never settle
-                    self.mgr.transfer_settled(room)
+                    logger.exception("sgl-nixl: room %s: staged transfer step failed", rec.room)
+                    self._fail(rec, f"internal error in a staged transfer: {exc!r}", finish=False)
+            if rec.recalls:
+                self._serve_recalls(rec)
+            if not (rec.jobs or rec.stopping or rec.last_chunk_seen):
+                for agent in list(rec.credits):  # between chunks: let other rooms use them
+                    self._give_back(rec, agent)
+            if rec.xfers:
+                remaining = []
+                stuck_after = ctx.settings.abort_drain_timeout_s
+                for x in rec.xfers:
+                    state = ctx.engine.poll(x)
+                    if (
+                        state == "PROC"
+                        and rec.stopping
+                        and time.perf_counter() - x.started > stuck_after
+                    ):
+                        ctx.engine.agent.abandon(x)  # its peer is gone: it will never settle
+                        ctx.sglang.end_transfer(rec.room)
+                        settled += 1
+                        continue
+                    if state == "PROC":
+                        remaining.append(x)
+                        continue
                     settled += 1
-                    continue
-                if state == "PROC":
-                    remaining.append(x)
-                    continue
-                settled += 1
-                if state == "DONE" and (t := self.mgr.engine.agent.telemetry(x)):
-                    metrics.telemetry(t)
-                self.mgr.engine.release(x)
-                self.mgr.transfer_settled(room)
-                if state == "ERR" and not prog.failed:
-                    self._fail(room, x.error, finish=False)
-            prog.xfers = remaining
-            self._maybe_finish(room)
+                    if state == "DONE" and (t := ctx.engine.agent.telemetry(x)):
+                        metrics.telemetry(t)
+                    ctx.engine.release(x)
+                    ctx.sglang.end_transfer(rec.room)
+                    if state == "ERR" and not rec.stopping:
+                        self._fail(rec, x.error, finish=False)
+                rec.xfers = remaining
+            self._maybe_finish(rec)
         return settled
 
-    def _fail(self, room: int, reason: str, finish: bool = True) -> None:
-        prog = self.rooms.setdefault(room, RoomProgress())
-        for job in prog.jobs:
+    def _fail(self, rec: PrefillRoom, reason: str, finish: bool = True) -> None:
+        for job in rec.jobs:
             job.send.abandon(reason)
-        if not prog.failed:
-            prog.failed = True
-            logger.error("sgl-nixl: room %s failed: %s", room, reason)
-            self.mgr.conclude_failure(bootstrap_room=room, failure_reason=reason)
-            self.mgr.observe(room, prog, ok=False, reason=reason)
+        if rec.fail(reason):
+            logger.error("sgl-nixl: room %s failed: %s", rec.room, reason)
+            self.ctx.sglang.conclude_failure(rec.room, reason)
+            self.ctx.observe(rec, ok=False, reason=reason)
         if finish:
-            self._maybe_finish(room)
+            self._maybe_finish(rec)
 
-    def _maybe_finish(self, room: int) -> None:
-        prog = self.rooms.get(room)
-        if prog is None or prog.busy:
+    def _maybe_finish(self, rec: PrefillRoom) -> None:
+        """Close the room once nothing is in flight: failed, aborted, released or gone, or
+        its last chunk landed (Success; never for a room SGLang already marked Failed)."""
+        if rec.busy:
             return
-        if prog.failed or room not in self.mgr.request_status:
-            del self.rooms[room]
-            self.mgr.remote_free.pop(room, None)
-            return
-        if prog.last_seen:
-            del self.rooms[room]
-            self.mgr.remote_free.pop(room, None)
-            self.mgr.observe(room, prog, ok=True)
-            self.mgr.conclude_transfer(bootstrap_room=room, status=SUCCESS)
-
-    def _sweep(self) -> None:
-        """Forget rooms whose sender went away between chunks (nothing in flight)."""
-        now = time.monotonic()
-        if now - self._last_sweep < 1.0:
-            return
-        self._last_sweep = now
-        for room in [r for r, p in self.rooms.items() if not p.busy]:
-            status = self.mgr.request_status.get(room)
-            if status is None or status == FAILED:
-                del self.rooms[room]
+        sg, rooms = self.ctx.sglang, self.ctx.rooms
+        if rec.stopping or sg.is_failed_or_gone(rec.room):  # failed, aborted or cleared
+            self.active.pop(rec.room, None)
+            rooms.close(rec, PrefillPhase.FAILED)
+        elif rec.last_chunk_seen:
+            self.active.pop(rec.room, None)
+            if rooms.close(rec, PrefillPhase.SUCCEEDED):
+                self.ctx.observe(rec, ok=True)
+                sg.conclude_success(rec.room)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from sgl_nixl_plugin.adapter import harness
 from sgl_nixl_plugin.bench.workload import (
     AUX_ITEM_BYTES,
     STATE_ITEM_BYTES,
@@ -71,32 +72,18 @@ INTREE_PLUGINS = "__none__"
 def _setup(spec: RankSpec) -> dict[str, Any]:
     """Publish SGLang's runtime config for this rank and fetch the backend's classes."""
     os.environ.update(spec.env)
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
-    from sglang.srt.server_args import ServerArgs
-
     w = spec.workload
-    sa = ServerArgs(
-        model_path="dummy",
+    sa, classes = harness.boot(
         device="cpu" if spec.mem_kind == "DRAM" else "cuda",
         tp_size=spec.tp_size,
-        host="127.0.0.1",
         port=30000 + spec.instance,
         page_size=w.page_size,
         disaggregation_mode=spec.role if spec.role != "bootstrap" else "prefill",
-        disaggregation_transfer_backend="nixl",
-        disaggregation_bootstrap_port=spec.bootstrap_port,
+        bootstrap_port=spec.bootstrap_port,
         kv_cache_dtype=kv_cache_dtype_arg(w.shape),
+        world_rank=spec.tp_rank,
+        gpu_id=spec.gpu_id,
     )
-    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=spec.tp_rank, gpu_id=spec.gpu_id))
-    get_parallel().override_permanently(pp_group=None)
-    load_plugins()  # before reading get_kv_class: the plugin rebinds it
-    from sglang.srt.disaggregation import utils
-
-    classes = {
-        t: utils.get_kv_class(utils.TransferBackend.NIXL, getattr(utils.KVClassType, t.upper()))
-        for t in ("kvargs", "manager", "sender", "receiver", "bootstrap_server")
-    }
     return {"server_args": sa, "classes": classes}
 
 
@@ -210,10 +197,8 @@ class Pools:
         layers are these regions and whose one state component is the per-request slot.
         A field SGLang does not set on that side stays unset: ``KVArgs`` only annotates it,
         so reading it raises ``AttributeError``, as it would in a real server.
-        tests/test_kvargs_contract.py checks this against SGLang's own methods.
+        tests/component/test_kvargs_contract.py checks this against SGLang's own methods.
         """
-        from sglang.srt.disaggregation.base.conn import StateType
-
         if spec.role not in ("prefill", "decode"):
             raise ValueError(f"a {spec.role} rank has no KV pool")
         w = spec.workload
@@ -267,7 +252,7 @@ class Pools:
         if hybrid:
             # one replicated per-request state tensor (dim 0: not sliced across TP), of a
             # state layer numbered after the attention layers
-            a.state_types.append(StateType.MAMBA)
+            a.state_types.append(harness.state_type("mamba"))
             a.state_data_ptrs.append([self.state_ptr])
             a.state_data_lens.append([self.aux_rows * STATE_ITEM_BYTES])
             a.state_item_lens.append([STATE_ITEM_BYTES])
@@ -294,52 +279,13 @@ def kv_cache_dtype_str(shape: ModelShape) -> str:
 
 
 def _tables(mgr: Any) -> dict[str, int]:
-    """Sizes of every per-room table (they must all return to zero)."""
-    names = [
-        "request_status",
-        "failure_records",
-        "transfer_infos",
-        "req_to_decode_prefix_len",
-        "_staging_outstanding",
-        "_deferred_ack_targets",
-        "room_seen",
-        "room_endpoints",
-        "required_prefill_response_num_table",
-        "prefill_response_tracker",
-        "_deferred_abort_ack_tracker",
-        "remote_free",
-        "metadata_targets",
-    ]
-    out = {n: len(getattr(mgr, n)) for n in names if isinstance(getattr(mgr, n, None), dict)}
-    if hasattr(mgr, "staged_fallbacks"):
-        out["count.staging.fell_back"] = mgr.staged_fallbacks
-    staging = getattr(mgr, "staging", None)  # decode staging keeps per-room slots and pages
-    for n in ("room_slots", "room_pages"):
-        if isinstance(getattr(staging, n, None), dict):
-            out[f"staging.{n}"] = len(getattr(staging, n))
-    if hasattr(staging, "waiting"):  # senders queued for a slot: none once all rooms ended
-        out["staging.waiting"] = staging.waiting
-        out["count.staging.asks"] = staging.asks  # counters, not tables: need not be 0
-        out["count.staging.late_grants"] = staging.late_grants
-        out["count.staging.prepared"] = staging.prepared
-        out["count.staging.late_uploads"] = staging.late_uploads
-        out["count.staging.returned"] = staging.returned
-        out["count.staging.recalls"] = staging.recalls
-        out["count.staging.freed_early"] = staging.freed_early
-        out["staging.owners"] = len(staging._owner)
-        out["staging.order"] = len(staging._order)
-        out["staging.busy"] = len(staging._busy)  # slots with an unscattered piece: 0 at rest
-        out["staging.recalled"] = len(staging._recalled)
-        out["staging.returned_rooms"] = len(staging._returned_rooms)
-    tracker = getattr(mgr, "addr_to_rooms_tracker", None)
-    if tracker is not None:
-        out["addr_to_rooms_tracker"] = sum(len(v) for v in tracker.values())
-    for i, w in enumerate(getattr(mgr, "workers", [])):
-        out[f"worker{i}.rooms"] = len(w.rooms)
-    engine = getattr(mgr, "engine", None)
-    if engine is not None:
-        out.update({f"nixl.{k}": v for k, v in engine.agent.live.items()})
-    return out
+    """Sizes of every per-room table (they must all return to zero; ``count.*`` are
+    counters, ``nixl.*`` live engine resources)."""
+    if hasattr(mgr, "room_tables"):
+        return mgr.room_tables()
+    from sgl_nixl_plugin.adapter.sglang_rooms import sglang_table_sizes  # imports SGLang
+
+    return sglang_table_sizes(mgr)
 
 
 class _Collector:
@@ -354,9 +300,7 @@ class _Collector:
 
 
 def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any]:
-    from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
+    KVPoll = harness.kv_poll()
     cls = env["classes"]
     pools = Pools(spec)
     server = None
@@ -366,7 +310,10 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
     registry.get_plugin_manager().register(collector)
     is_mla = spec.workload.shape.mla
     mgr = cls["manager"](
-        pools.kv_args(cls["kvargs"], spec), DisaggregationMode.PREFILL, env["server_args"], is_mla
+        pools.kv_args(cls["kvargs"], spec),
+        harness.disaggregation_mode("prefill"),
+        env["server_args"],
+        is_mla,
     )
     w = spec.workload
     pool = PagePool(pools.pages, seed=w.seed + 17 * spec.instance + 1)
@@ -479,14 +426,15 @@ def _prefill_registered(addr: str) -> bool:
 def run_decode(
     spec: RankSpec, env: dict[str, Any], progress: Any = None, before_close: Any = None
 ) -> dict[str, Any]:
-    from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
+    KVPoll = harness.kv_poll()
     cls = env["classes"]
     pools = Pools(spec)
     is_mla = spec.workload.shape.mla
     mgr = cls["manager"](
-        pools.kv_args(cls["kvargs"], spec), DisaggregationMode.DECODE, env["server_args"], is_mla
+        pools.kv_args(cls["kvargs"], spec),
+        harness.disaggregation_mode("decode"),
+        env["server_args"],
+        is_mla,
     )
     w = spec.workload
     pool = PagePool(pools.pages, seed=w.seed + 31 * spec.instance + 7 * spec.tp_rank + 2)
@@ -621,7 +569,7 @@ def rank_main(spec: RankSpec, out: Any, done: Any, release: Any = None) -> None:
             release.wait(timeout=spec.deadline_s)
 
     try:
-        logging.basicConfig(level=os.environ.get("SGL_NIXL_BENCH_LOG", "WARNING"))
+        logging.basicConfig(level=os.environ.get("SGLANG_NIXL_PLUGIN_BENCH_LOG", "WARNING"))
         if logging.getLogger().getEffectiveLevel() > logging.INFO:
             # SGLang warns at import that its CUDA-only quantization kernels are unavailable
             warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang\.")

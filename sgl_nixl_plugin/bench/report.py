@@ -32,7 +32,9 @@ def summarize(result: SessionResult) -> dict[str, Any]:
         "corrupt_pages": bad,
         "bytes": total,
         "gbps": total / span / 1e9 if span > 0 else 0.0,
-        "per_request_gbps_p50": float(np.median([r["bytes"] / r["latency_s"] / 1e9 for r in ok])) if ok else 0.0,
+        "per_request_gbps_p50": float(np.median([r["bytes"] / r["latency_s"] / 1e9 for r in ok]))
+        if ok
+        else 0.0,
         "latency_p50_ms": float(np.percentile(lat, 50) * 1e3) if len(lat) else 0.0,
         "latency_p99_ms": float(np.percentile(lat, 99) * 1e3) if len(lat) else 0.0,
         "descriptors_per_request": float(np.mean(desc)) if desc else None,
@@ -50,9 +52,22 @@ ROWS = [
     ("bytes moved", lambda s: f"{s['bytes'] / 2**30:.2f} GiB"),
     ("throughput (all requests)", lambda s: f"{s['gbps']:.2f} GB/s"),
     ("per-request GB/s (p50)", lambda s: f"{s['per_request_gbps_p50']:.2f} GB/s"),
-    ("transfer latency p50 / p99", lambda s: f"{s['latency_p50_ms']:.1f} / {s['latency_p99_ms']:.1f} ms"),
-    ("descriptors per request", lambda s: "-" if s["descriptors_per_request"] is None else f"{s['descriptors_per_request']:.0f}"),
-    ("control plane per request", lambda s: "-" if s["control_us_per_request"] is None else f"{s['control_us_per_request']:.0f} µs"),
+    (
+        "transfer latency p50 / p99",
+        lambda s: f"{s['latency_p50_ms']:.1f} / {s['latency_p99_ms']:.1f} ms",
+    ),
+    (
+        "descriptors per request",
+        lambda s: (
+            "-" if s["descriptors_per_request"] is None else f"{s['descriptors_per_request']:.0f}"
+        ),
+    ),
+    (
+        "control plane per request",
+        lambda s: (
+            "-" if s["control_us_per_request"] is None else f"{s['control_us_per_request']:.0f} µs"
+        ),
+    ),
     ("transfer path", lambda s: s["path"]),
 ]
 
@@ -67,9 +82,13 @@ def table(summaries: list[dict[str, Any]]) -> str:
             row.append("")
         body[3][-1] = f"{summaries[0]['gbps'] / summaries[1]['gbps']:.2f}x"
         if summaries[1]["latency_p50_ms"] > 0:
-            body[5][-1] = f"{summaries[1]['latency_p50_ms'] / max(summaries[0]['latency_p50_ms'], 1e-9):.2f}x faster"
+            body[5][-1] = (
+                f"{summaries[1]['latency_p50_ms'] / max(summaries[0]['latency_p50_ms'], 1e-9):.2f}x faster"
+            )
     widths = [max(len(str(r[i])) for r in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(head, widths, strict=False)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in body]
+    lines += [
+        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in body
+    ]
     return "\n".join(lines)

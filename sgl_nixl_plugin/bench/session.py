@@ -98,8 +98,13 @@ def _specs(cfg: SessionConfig) -> tuple[list[RankSpec], list[str]]:
     addrs = [f"127.0.0.1:{p}" for p in ports]
     specs = []
     common = dict(
-        workload=cfg.workload, n_prefill=cfg.n_prefill, n_decode=cfg.n_decode, env=env,
-        deadline_s=cfg.timeout_s, mem_kind=cfg.mem_kind, verify=cfg.verify,
+        workload=cfg.workload,
+        n_prefill=cfg.n_prefill,
+        n_decode=cfg.n_decode,
+        env=env,
+        deadline_s=cfg.timeout_s,
+        mem_kind=cfg.mem_kind,
+        verify=cfg.verify,
     )
     for i, port in enumerate(ports):
         if cfg.separate_bootstrap:
@@ -107,17 +112,28 @@ def _specs(cfg: SessionConfig) -> tuple[list[RankSpec], list[str]]:
         for r in range(cfg.prefill_tp):
             specs.append(
                 RankSpec(
-                    "prefill", i, cfg.prefill_tp, r, bootstrap_port=port,
+                    "prefill",
+                    i,
+                    cfg.prefill_tp,
+                    r,
+                    bootstrap_port=port,
                     serve_bootstrap=(r == 0 and not cfg.separate_bootstrap),
-                    gpu_id=cfg.prefill_gpu, **common,
+                    gpu_id=cfg.prefill_gpu,
+                    **common,
                 )
             )
     for i in range(cfg.n_decode):
         for r in range(cfg.decode_tp):
             specs.append(
                 RankSpec(
-                    "decode", i, cfg.decode_tp, r, bootstrap_port=0, prefill_addrs=addrs,
-                    gpu_id=cfg.decode_gpu, **common,
+                    "decode",
+                    i,
+                    cfg.decode_tp,
+                    r,
+                    bootstrap_port=0,
+                    prefill_addrs=addrs,
+                    gpu_id=cfg.decode_gpu,
+                    **common,
                 )
             )
     return specs, addrs
@@ -139,7 +155,9 @@ class Session:
     def start(self) -> Session:
         for spec in self.specs:
             p = self.ctx.Process(
-                target=_rank_process, args=(spec, self.out, self.done, self.release), daemon=True,
+                target=_rank_process,
+                args=(spec, self.out, self.done, self.release),
+                daemon=True,
                 name=f"{spec.role}{spec.instance}.{spec.tp_rank}",
             )
             p.start()
@@ -199,7 +217,9 @@ class Session:
         )
 
     def _dead(self) -> set[tuple[str, int, int]]:
-        return {k for k, p in self.procs.items() if not p.is_alive() and p.exitcode not in (0, None)}
+        return {
+            k for k, p in self.procs.items() if not p.is_alive() and p.exitcode not in (0, None)
+        }
 
     def _reap(self) -> None:
         for p in self.procs.values():

@@ -97,14 +97,20 @@ class Workload:
         out = []
         for i in range(self.requests):
             tokens = int(rng.integers(self.min_tokens, self.max_tokens + 1))
-            contiguous = {
-                "random": False, "contiguous": True, "mixed": bool(i % 2)
-            }[self.fragmentation]
+            contiguous = {"random": False, "contiguous": True, "mixed": bool(i % 2)}[
+                self.fragmentation
+            ]
             room = int(rng.integers(1, 2**63 - 1))
-            out.append(Request(
-                room, tokens, self.chunks[i % len(self.chunks)], contiguous, self.state,
-                self.send_delays_ms[i % len(self.send_delays_ms)],
-            ))
+            out.append(
+                Request(
+                    room,
+                    tokens,
+                    self.chunks[i % len(self.chunks)],
+                    contiguous,
+                    self.state,
+                    self.send_delays_ms[i % len(self.send_delays_ms)],
+                )
+            )
         return out
 
     def pool_pages(self) -> int:
@@ -149,7 +155,11 @@ class PagePool:
 
 
 def pattern(
-    room: int, region: int, page_in_req: np.ndarray, page_size: int, heads: np.ndarray,
+    room: int,
+    region: int,
+    page_in_req: np.ndarray,
+    page_size: int,
+    heads: np.ndarray,
     head_words: int,
 ) -> np.ndarray:
     """uint32 words for pages ``page_in_req`` of a request: shape (pages, tokens, heads, words)."""

@@ -1,3 +1,4 @@
-"""The SGLang side of start-up: the ``sglang.srt.plugins`` entry function, the version gate,
-and the ``get_kv_class`` hook. Nothing here is imported until SGLang calls ``register()``.
+"""The start-up side of the plugin: the ``sglang.srt.plugins`` entry function and the version
+gate. Nothing here is imported until SGLang calls ``register()``; the ``get_kv_class`` hook it
+installs lives with the rest of the SGLang-facing code, in ``sgl_nixl_plugin.adapter.hooks``.
 """

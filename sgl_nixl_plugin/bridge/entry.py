@@ -32,7 +32,8 @@ def register() -> None:
         return
 
     from sgl_nixl_plugin import __version__, compat
-    from sgl_nixl_plugin.bridge import kv_class_hook, version_gate
+    from sgl_nixl_plugin.adapter import hooks
+    from sgl_nixl_plugin.bridge import version_gate
 
     gate = version_gate.evaluate()
     if not gate.ok:
@@ -46,7 +47,7 @@ def register() -> None:
 
     try:
         specs = manager.backends()
-        plan = kv_class_hook.build_plan(specs)
+        plan = hooks.build_plan(specs)
     except Exception as exc:
         _state = "disabled"
         message = (
@@ -58,7 +59,7 @@ def register() -> None:
         logger.error("%s", message, exc_info=logger.isEnabledFor(logging.DEBUG))
         return
 
-    kv_class_hook.install(plan)
+    hooks.install(plan)
     _state = "registered"
     global _summary
     _summary = "registered transfer backend(s): {}{} (SGLang {})".format(

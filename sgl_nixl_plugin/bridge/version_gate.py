@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sgl_nixl_plugin import __version__, compat, env
+from sgl_nixl_plugin import __version__, compat, settings
 
 #: Set to 1/true/yes/on to make an unsupported SGLang a start-up failure instead of a warning.
-STRICT_ENV = "SGLANG_NIXL_PLUGIN_STRICT"  # or SGL_NIXL_PLUGIN_STRICT (see ``env``)
+STRICT_ENV = "SGLANG_NIXL_PLUGIN_STRICT"  # read by ``settings.strict_mode``
 _TRUE = {"1", "true", "yes", "on", "y"}
 
 
 def strict_mode() -> bool:
     """Whether ``SGLANG_NIXL_PLUGIN_STRICT`` asks for a hard failure."""
-    return env.get("STRICT").strip().lower() in _TRUE
+    return settings.strict_mode()
 
 
 @dataclass(frozen=True)

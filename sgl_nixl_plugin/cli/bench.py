@@ -36,8 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-tokens", type=int, default=1024)
     w.add_argument("--concurrency", type=int, default=8)
     w.add_argument("--chunks", type=int, default=1, help="chunked-prefill sends per request")
-    w.add_argument("--chunk-gap-ms", type=float, default=0.0,
-                   help="time between a request's chunked-prefill sends (its forward passes)")
+    w.add_argument(
+        "--chunk-gap-ms",
+        type=float,
+        default=0.0,
+        help="time between a request's chunked-prefill sends (its forward passes)",
+    )
     w.add_argument("--fragmentation", choices=["random", "contiguous", "mixed"], default="random")
     w.add_argument("--no-state", action="store_true", help="do not transfer a state row")
     w.add_argument("--seed", type=int, default=1234)
@@ -57,11 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", action="store_true", help="print figures as JSON")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
     o.add_argument(
-        "--verbose", action="store_true",
+        "--verbose",
+        action="store_true",
         help="show the ranks' INFO logs, NIXL's and SGLang's import-time warnings",
     )
     o.add_argument(
-        "--metrics-port", type=int, metavar="PORT",
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
         help="serve the ranks' Prometheus metrics on 127.0.0.1:PORT/metrics while it runs",
     )
     return p
@@ -70,10 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
 def workload_of(args: argparse.Namespace) -> Workload:
     shape = PRESETS[args.preset]
     overrides = {
-        k: v for k, v in {
-            "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-            "dtype": args.dtype, "mla": args.mla,
-        }.items() if v is not None
+        k: v
+        for k, v in {
+            "layers": args.layers,
+            "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "dtype": args.dtype,
+            "mla": args.mla,
+        }.items()
+        if v is not None
     }
     if overrides:
         shape = replace(shape, name="custom", **overrides)
@@ -100,7 +112,9 @@ def _run(cfg: Any, quiet: bool) -> Any:
         return session.wait()
     from tqdm import tqdm
 
-    with tqdm(total=cfg.workload.requests, desc=f"{cfg.backend:>7}", unit="req", file=sys.stderr) as bar:
+    with tqdm(
+        total=cfg.workload.requests, desc=f"{cfg.backend:>7}", unit="req", file=sys.stderr
+    ) as bar:
         return session.wait(lambda n: bar.update(max(0, n - bar.n)))
 
 
@@ -113,11 +127,18 @@ def _single_role(args: argparse.Namespace, workload: Workload) -> int:
     host, _, port = args.bootstrap.rpartition(":")
     tp = args.prefill_tp if args.role != "decode" else args.decode_tp
     spec = RankSpec(
-        role=args.role, instance=0, tp_size=tp, tp_rank=args.tp_rank, workload=workload,
-        bootstrap_port=int(port), prefill_addrs=[args.bootstrap],
-        serve_bootstrap=False, mem_kind=args.mem,
+        role=args.role,
+        instance=0,
+        tp_size=tp,
+        tp_rank=args.tp_rank,
+        workload=workload,
+        bootstrap_port=int(port),
+        prefill_addrs=[args.bootstrap],
+        serve_bootstrap=False,
+        mem_kind=args.mem,
         gpu_id=args.prefill_gpu if args.role == "prefill" else args.decode_gpu,
-        deadline_s=args.timeout, verify=not args.no_verify,
+        deadline_s=args.timeout,
+        verify=not args.no_verify,
     )
     ctx = mp.get_context("spawn")
     out, done = ctx.Queue(), ctx.Event()
@@ -134,8 +155,17 @@ def _single_role(args: argparse.Namespace, workload: Workload) -> int:
     results = result["results"]
     ok = sum(1 for r in results.values() if r["ok"])
     bad = sum(r.get("bad_pages", 0) for r in results.values())
-    print(json.dumps({"role": role, "ok": ok, "failed": len(results) - ok,
-                      "timed_out": len(result["timed_out"]), "corrupt_pages": bad}))
+    print(
+        json.dumps(
+            {
+                "role": role,
+                "ok": ok,
+                "failed": len(results) - ok,
+                "timed_out": len(result["timed_out"]),
+                "corrupt_pages": bad,
+            }
+        )
+    )
     return 0 if ok == len(results) and not result["timed_out"] and not bad else 1
 
 
@@ -161,7 +191,7 @@ def _quiet_libraries(verbose: bool) -> None:
     import os
 
     if verbose:
-        os.environ["SGL_NIXL_BENCH_LOG"] = "INFO"
+        os.environ["SGLANG_NIXL_PLUGIN_BENCH_LOG"] = "INFO"
         os.environ.setdefault("NIXL_LOG_LEVEL", "INFO")
     else:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -182,8 +212,13 @@ def main(argv: list[str] | None = None) -> int:
         # SGLang's in-tree backend registers state buffers as VRAM: compare without state.
         workload = replace(workload, state=False)
     cfg = SessionConfig(
-        workload, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, mem_kind=args.mem,
-        prefill_gpu=args.prefill_gpu, decode_gpu=args.decode_gpu, timeout_s=args.timeout,
+        workload,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        mem_kind=args.mem,
+        prefill_gpu=args.prefill_gpu,
+        decode_gpu=args.decode_gpu,
+        timeout_s=args.timeout,
         verify=not args.no_verify,
     )
     summaries = [summarize(_run(cfg, args.quiet))]

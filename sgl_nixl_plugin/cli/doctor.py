@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from sgl_nixl_plugin import __version__, compat, env
+from sgl_nixl_plugin import __version__, compat, settings
 
 Status = Literal["ok", "warn", "fail", "info"]
 
@@ -97,7 +97,7 @@ def _fix_unless_said(problems: list[str]) -> str:
 def check_sglang(ctx: DoctorContext) -> list[CheckResult]:
     """SGLang installed, in the supported range, and with the signatures we rely on."""
     found = compat.installed_sglang_version()
-    overridden = bool(env.get("SGLANG_VERSION_OVERRIDE").strip())
+    overridden = bool(settings.sglang_version_override())
     ctx.facts["sglang_version"] = found
     ctx.facts["sglang_supported_range"] = compat.SUPPORTED_SGLANG
     label = f"{found}{' (override)' if overridden else ''}" if found else "not installed"
@@ -109,7 +109,9 @@ def check_sglang(ctx: DoctorContext) -> list[CheckResult]:
         ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # SGLang's CPU-only import warnings are noise here
-        problems = compat.check_signatures()
+        from sgl_nixl_plugin.adapter import contract
+
+        problems = contract.check_signatures()
     ctx.facts["sglang_ok"] = not problems
     if problems:
         return [
@@ -386,7 +388,7 @@ def check_memory_kinds(ctx: DoctorContext) -> list[CheckResult]:
 
 
 #: Environment variables that carry the shared secret (see ``settings.read_secret``).
-SECRET_ENV = "SGLANG_NIXL_PLUGIN_SECRET"  # or SGL_NIXL_PLUGIN_SECRET (see ``env``)
+SECRET_ENV = "SGLANG_NIXL_PLUGIN_SECRET"
 SECRET_FILE_ENV = "SGLANG_NIXL_PLUGIN_SECRET_FILE"
 #: Where SGLang takes the address its KV control sockets bind to (``get_local_ip_auto``).
 HOST_IP_ENVS = ("SGLANG_HOST_IP", "HOST_IP")
@@ -415,7 +417,9 @@ def listen_host() -> tuple[str | None, str]:
         if value:
             return value, f"from {name}"
     try:
-        from sglang.srt.utils.network import get_local_ip_auto
+        from sgl_nixl_plugin.adapter.harness import local_ip_finder
+
+        get_local_ip_auto = local_ip_finder()
     except Exception:
         return _socket_local_ip(), "auto-detected from this machine's sockets"
     try:
@@ -449,7 +453,7 @@ def check_exposure(ctx: DoctorContext) -> list[CheckResult]:
 
     host, source = listen_host()
     exposed = host is None or not is_loopback(host)
-    secret_vars = [var for var, value in map(env.lookup, ("SECRET", "SECRET_FILE")) if value]
+    secret_vars = settings.secret_vars_set()
     problem = ""
     try:
         has_secret = read_secret() is not None
@@ -464,7 +468,8 @@ def check_exposure(ctx: DoctorContext) -> list[CheckResult]:
     if has_secret:
         return [
             CheckResult(
-                name, "ok",
+                name,
+                "ok",
                 f"bootstrap server and ZMQ control sockets listen on {where}; "
                 f"HTTP routes and control messages are signed ({' / '.join(secret_vars)} is set)",
             )
@@ -472,14 +477,16 @@ def check_exposure(ctx: DoctorContext) -> list[CheckResult]:
     if not exposed:
         return [
             CheckResult(
-                name, "ok",
+                name,
+                "ok",
                 f"bootstrap server and ZMQ control sockets listen on loopback {where} only",
             )
         ]
     why = f" ({problem})" if problem else ""
     return [
         CheckResult(
-            name, "warn",
+            name,
+            "warn",
             f"the bootstrap server and ZMQ control sockets would listen on {where}, beyond "
             f"loopback, without a shared secret{why}: anyone who can reach this host could "
             "register prefill ranks, learn rank addresses and inject KV control messages",

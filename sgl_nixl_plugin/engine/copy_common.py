@@ -89,5 +89,7 @@ def _require_triton() -> Any:
         import triton
         import triton.language  # noqa: F401
     except ImportError as exc:
-        raise CopierUnavailable(f"the Triton copier needs triton, which is not importable ({exc})") from exc
+        raise CopierUnavailable(
+            f"the Triton copier needs triton, which is not importable ({exc})"
+        ) from exc
     return triton

@@ -126,7 +126,7 @@ class _DeviceIndex:
         dev, ev = self._upload(u, stream)
         with self._lock:
             self._units.insert(0, (u.copy(), dev, ev))
-            del self._units[self.UNITS_CACHE:]
+            del self._units[self.UNITS_CACHE :]
         return dev
 
     def _upload(self, host: np.ndarray, stream: Any) -> tuple[Any, Any]:
@@ -160,20 +160,39 @@ class GpuCopier:
     _index: _DeviceIndex
 
     def _copy(
-        self, gather: bool, bases: Any, units: Any, unit_len: int, stride: int, offset: int,
-        stage: int, stream: Any,
+        self,
+        gather: bool,
+        bases: Any,
+        units: Any,
+        unit_len: int,
+        stride: int,
+        offset: int,
+        stage: int,
+        stream: Any,
     ) -> None:
         raise NotImplementedError
 
     def gather(
-        self, bases: Any, units: Any, unit_len: int, stride: int, offset: int,
-        stage: int, stream: Any = None,
+        self,
+        bases: Any,
+        units: Any,
+        unit_len: int,
+        stride: int,
+        offset: int,
+        stage: int,
+        stream: Any = None,
     ) -> None:
         self._copy(True, bases, units, unit_len, stride, offset, stage, stream)
 
     def scatter(
-        self, bases: Any, units: Any, unit_len: int, stride: int, offset: int,
-        stage: int, stream: Any = None,
+        self,
+        bases: Any,
+        units: Any,
+        unit_len: int,
+        stride: int,
+        offset: int,
+        stage: int,
+        stream: Any = None,
     ) -> None:
         self._copy(False, bases, units, unit_len, stride, offset, stage, stream)
 

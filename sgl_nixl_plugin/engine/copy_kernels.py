@@ -64,13 +64,25 @@ class Copier(Protocol):
     mem_kind: str  # "DRAM" | "VRAM"
 
     def gather(
-        self, bases: np.ndarray, units: np.ndarray, unit_len: int, stride: int, offset: int,
-        stage: int, stream: Any = None,
+        self,
+        bases: np.ndarray,
+        units: np.ndarray,
+        unit_len: int,
+        stride: int,
+        offset: int,
+        stage: int,
+        stream: Any = None,
     ) -> None: ...
 
     def scatter(
-        self, bases: np.ndarray, units: np.ndarray, unit_len: int, stride: int, offset: int,
-        stage: int, stream: Any = None,
+        self,
+        bases: np.ndarray,
+        units: np.ndarray,
+        unit_len: int,
+        stride: int,
+        offset: int,
+        stage: int,
+        stream: Any = None,
     ) -> None: ...
 
     def synchronize(self, stream: Any = None) -> None: ...

@@ -16,15 +16,25 @@ class _HostBuf:
 
     def __init__(self, addr: int, shape: tuple[int, ...], strides: tuple[int, ...] | None) -> None:
         self.__array_interface__ = {
-            "data": (int(addr), False), "shape": shape, "strides": strides,
-            "typestr": "|u1", "version": 3,
+            "data": (int(addr), False),
+            "shape": shape,
+            "strides": strides,
+            "typestr": "|u1",
+            "version": 3,
         }
 
 
-def host_view(addr: int, shape: tuple[int, ...], strides: tuple[int, ...] | None = None) -> np.ndarray:
+def host_view(
+    addr: int, shape: tuple[int, ...], strides: tuple[int, ...] | None = None
+) -> np.ndarray:
     """A writable uint8 numpy view of host memory at ``addr`` (strides in bytes)."""
-    return np.asarray(_HostBuf(addr, tuple(int(s) for s in shape),
-                               None if strides is None else tuple(int(s) for s in strides)))
+    return np.asarray(
+        _HostBuf(
+            addr,
+            tuple(int(s) for s in shape),
+            None if strides is None else tuple(int(s) for s in strides),
+        )
+    )
 
 
 class NumpyCopier:
@@ -36,14 +46,26 @@ class NumpyCopier:
         pass
 
     def gather(
-        self, bases: np.ndarray, units: np.ndarray, unit_len: int, stride: int, offset: int,
-        stage: int, stream: Any = None,
+        self,
+        bases: np.ndarray,
+        units: np.ndarray,
+        unit_len: int,
+        stride: int,
+        offset: int,
+        stage: int,
+        stream: Any = None,
     ) -> None:
         self._copy(True, bases, units, unit_len, stride, offset, stage)
 
     def scatter(
-        self, bases: np.ndarray, units: np.ndarray, unit_len: int, stride: int, offset: int,
-        stage: int, stream: Any = None,
+        self,
+        bases: np.ndarray,
+        units: np.ndarray,
+        unit_len: int,
+        stride: int,
+        offset: int,
+        stage: int,
+        stream: Any = None,
     ) -> None:
         self._copy(False, bases, units, unit_len, stride, offset, stage)
 

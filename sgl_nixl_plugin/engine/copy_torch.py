@@ -23,18 +23,27 @@ class _CudaBuf:
 
     def __init__(self, addr: int, shape: tuple[int, ...], strides: tuple[int, ...] | None) -> None:
         self.__cuda_array_interface__ = {
-            "data": (int(addr), False), "shape": shape, "strides": strides,
-            "typestr": "|u1", "version": 2,
+            "data": (int(addr), False),
+            "shape": shape,
+            "strides": strides,
+            "typestr": "|u1",
+            "version": 2,
         }
 
 
 def device_view(
-    torch: Any, device: Any, addr: int, shape: tuple[int, ...],
+    torch: Any,
+    device: Any,
+    addr: int,
+    shape: tuple[int, ...],
     strides: tuple[int, ...] | None = None,
 ) -> Any:
     """A uint8 CUDA tensor over device memory at ``addr`` (strides in bytes; no copy)."""
-    buf = _CudaBuf(addr, tuple(int(s) for s in shape),
-                   None if strides is None else tuple(int(s) for s in strides))
+    buf = _CudaBuf(
+        addr,
+        tuple(int(s) for s in shape),
+        None if strides is None else tuple(int(s) for s in strides),
+    )
     t = torch.as_tensor(buf, device=device)
     if t.data_ptr() != int(addr):  # as_tensor must wrap, never copy
         raise RuntimeError("torch copied a device buffer instead of wrapping it")
@@ -60,8 +69,15 @@ class TorchCopier(GpuCopier):
         pass
 
     def _copy(
-        self, gather: bool, bases: Any, units: Any, unit_len: int, stride: int, offset: int,
-        stage: int, stream: Any,
+        self,
+        gather: bool,
+        bases: Any,
+        units: Any,
+        unit_len: int,
+        stride: int,
+        offset: int,
+        stage: int,
+        stream: Any,
     ) -> None:
         torch = self.torch
         unit_len, stride, offset, stage = int(unit_len), int(stride), int(offset), int(stage)
@@ -82,7 +98,9 @@ class TorchCopier(GpuCopier):
                 idx = idx.long()
             staged_all = device_view(torch, self.device, stage, (len(b), n, unit_len))
             for i, base in enumerate(b.tolist()):
-                region = device_view(torch, self.device, base + offset, (rows, unit_len), (stride, 1))
+                region = device_view(
+                    torch, self.device, base + offset, (rows, unit_len), (stride, 1)
+                )
                 if gather:
                     torch.index_select(region, 0, idx, out=staged_all[i])
                 else:

@@ -40,9 +40,18 @@ tl: Any = None  # triton.language, bound by _triton_kernel() (the kernel's globa
 
 
 def _unit_copy_kernel(
-    bases_ptr, units_ptr, n_units, stage, unit_words, stride, offset,
-    GATHER: tl.constexpr, ALIGN: tl.constexpr, BLOCK_U: tl.constexpr,
-    BLOCK_W: tl.constexpr, EVEN_W: tl.constexpr,
+    bases_ptr,
+    units_ptr,
+    n_units,
+    stage,
+    unit_words,
+    stride,
+    offset,
+    GATHER: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    EVEN_W: tl.constexpr,
 ):
     # Program (p, slot) copies BLOCK_U units x BLOCK_W words of region ``slot``; ``p``
     # enumerates (unit block, word block) pairs, word blocks fastest. Byte addresses are
@@ -109,8 +118,17 @@ def tile_shape(unit_words: int, tile_bytes: int = TILE_BYTES) -> tuple[int, int,
 
 
 def launch_unit_copy(
-    gather: bool, bases_t: Any, units_t: Any, n: int, unit_len: int, stride: int, offset: int,
-    stage: int, align: int, tile_bytes: int = TILE_BYTES, num_warps: int = NUM_WARPS,
+    gather: bool,
+    bases_t: Any,
+    units_t: Any,
+    n: int,
+    unit_len: int,
+    stride: int,
+    offset: int,
+    stage: int,
+    align: int,
+    tile_bytes: int = TILE_BYTES,
+    num_warps: int = NUM_WARPS,
     fast: _FastLaunch | None = None,
 ) -> None:
     """Launch the kernel on the current stream. ``bases_t`` (int64) and ``units_t`` (int64
@@ -129,15 +147,37 @@ def launch_unit_copy(
     programs = -(-n // block_u) * -(-unit_words // block_w)
     if programs >= 1 << 31:
         raise ValueError("request too large for one launch")
-    args = (bases_t, units_t, n, stage, unit_words, stride, offset,
-            bool(gather), align, block_u, block_w, even)
+    args = (
+        bases_t,
+        units_t,
+        n,
+        stage,
+        unit_words,
+        stride,
+        offset,
+        bool(gather),
+        align,
+        block_u,
+        block_w,
+        even,
+    )
     if fast is not None and fast.launch((programs, regions), num_warps, args):
         return
     kernel = _triton_kernel()
     with _LAUNCH_LOCK:  # one compile per shape, even when several threads start at once
         compiled = kernel[(programs, regions)](
-            bases_t, units_t, n, stage, unit_words, stride, offset,
-            GATHER=bool(gather), ALIGN=align, BLOCK_U=block_u, BLOCK_W=block_w, EVEN_W=even,
+            bases_t,
+            units_t,
+            n,
+            stage,
+            unit_words,
+            stride,
+            offset,
+            GATHER=bool(gather),
+            ALIGN=align,
+            BLOCK_U=block_u,
+            BLOCK_W=block_w,
+            EVEN_W=even,
             num_warps=num_warps,
         )
     if fast is not None:
@@ -172,8 +212,16 @@ class _FastLaunch:
     @staticmethod
     def _key(num_warps: int, args: tuple) -> tuple:
         bases_t, units_t, _, _, unit_words, stride, offset = args[:7]
-        return (num_warps, *args[7:], units_t.dtype, bases_t.data_ptr() % 16 == 0,
-                units_t.data_ptr() % 16 == 0, _spec(unit_words), _spec(stride), _spec(offset))
+        return (
+            num_warps,
+            *args[7:],
+            units_t.dtype,
+            bases_t.data_ptr() % 16 == 0,
+            units_t.data_ptr() % 16 == 0,
+            _spec(unit_words),
+            _spec(stride),
+            _spec(offset),
+        )
 
     def remember(self, num_warps: int, args: tuple, compiled: Any) -> None:
         if self.enabled and compiled is not None and hasattr(compiled, "run"):
@@ -192,8 +240,18 @@ class _FastLaunch:
             enter = getattr(hooks, "launch_enter_hook", None) if hooks else None
             leave = getattr(hooks, "launch_exit_hook", None) if hooks else None
             meta = ck.launch_metadata(full, stream, *args)
-            ck.run(full[0], full[1], full[2], stream, ck.function, ck.packed_metadata, meta,
-                   enter, leave, *args)
+            ck.run(
+                full[0],
+                full[1],
+                full[2],
+                stream,
+                ck.function,
+                ck.packed_metadata,
+                meta,
+                enter,
+                leave,
+                *args,
+            )
             return True
         except Exception as exc:
             logger.warning("sgl-nixl: fast Triton launch failed (%s); using Triton's own", exc)
@@ -249,16 +307,21 @@ class TritonCopier(GpuCopier):
                 bases = self.prepare_bases(np.array([region.data_ptr()], dtype=np.uint64))
                 self.gather(bases, units, 64, 64, 0, stage.data_ptr())
                 self.release_units(units)
-                want = torch.cat([region[k * 64:(k + 1) * 64] for k in (3, 0, 2)])
+                want = torch.cat([region[k * 64 : (k + 1) * 64] for k in (3, 0, 2)])
                 ok = bool(torch.equal(stage, want))
                 torch.cuda.synchronize(self.device)
         except Exception as exc:
-            logger.warning("sgl-nixl: gathers cannot read indices from host memory here (%s); "
-                           "they are uploaded first", exc)
+            logger.warning(
+                "sgl-nixl: gathers cannot read indices from host memory here (%s); "
+                "they are uploaded first",
+                exc,
+            )
             return False
         if not ok:
-            logger.warning("sgl-nixl: reading indices from host memory copied wrong bytes in "
-                           "the self-test; they are uploaded first")
+            logger.warning(
+                "sgl-nixl: reading indices from host memory copied wrong bytes in "
+                "the self-test; they are uploaded first"
+            )
         return ok
 
     def prepare_units(self, units: Any, stream: Any = None) -> Any:
@@ -322,13 +385,13 @@ class TritonCopier(GpuCopier):
         bases = np.array([region.data_ptr()], dtype=np.uint64)
         units = np.array([2, 0], dtype=np.int64)
         self.gather(bases, units, unit_len, stride, offset, stage.data_ptr())
-        want = torch.cat([before[offset + k * stride:][:unit_len] for k in (2, 0)])
+        want = torch.cat([before[offset + k * stride :][:unit_len] for k in (2, 0)])
         ok = torch.equal(stage, want)
         region.zero_()
         self.scatter(bases, units, unit_len, stride, offset, stage.data_ptr())
         for k in (2, 0):
             ok = ok and torch.equal(
-                region[offset + k * stride:][:unit_len], before[offset + k * stride:][:unit_len]
+                region[offset + k * stride :][:unit_len], before[offset + k * stride :][:unit_len]
             )
         self.synchronize()
         if not ok:
@@ -339,8 +402,14 @@ class TritonCopier(GpuCopier):
         self._check_fast(region, before, bases, units, unit_len, stride, offset)
 
     def _check_fast(
-        self, region: Any, before: Any, bases: np.ndarray, units: np.ndarray, unit_len: int,
-        stride: int, offset: int,
+        self,
+        region: Any,
+        before: Any,
+        bases: np.ndarray,
+        units: np.ndarray,
+        unit_len: int,
+        stride: int,
+        offset: int,
     ) -> None:
         """Run the per-piece path (prepared bases and units, fast launches) twice and compare
         bytes; on any failure keep only Triton's own dispatch."""
@@ -352,7 +421,7 @@ class TritonCopier(GpuCopier):
                 b = self.prepare_bases(bases)
                 u = self.prepare_units(units)
                 stage = torch.zeros(2 * unit_len, dtype=torch.uint8, device=self.device)
-                want = torch.cat([before[offset + k * stride:][:unit_len] for k in (2, 0)])
+                want = torch.cat([before[offset + k * stride :][:unit_len] for k in (2, 0)])
                 ok = True
                 for _ in range(2):  # the first call compiles and remembers, the second reuses
                     stage.zero_()
@@ -360,9 +429,16 @@ class TritonCopier(GpuCopier):
                     ok = ok and torch.equal(stage, want)
                     region.zero_()
                     self.scatter(b, u, unit_len, stride, offset, stage.data_ptr())
-                    ok = ok and torch.equal(region, before * (region != 0)) and all(
-                        torch.equal(region[offset + k * stride:][:unit_len],
-                                    before[offset + k * stride:][:unit_len]) for k in (2, 0)
+                    ok = (
+                        ok
+                        and torch.equal(region, before * (region != 0))
+                        and all(
+                            torch.equal(
+                                region[offset + k * stride :][:unit_len],
+                                before[offset + k * stride :][:unit_len],
+                            )
+                            for k in (2, 0)
+                        )
                     )
                 torch.cuda.synchronize(self.device)
         except Exception as exc:
@@ -373,8 +449,15 @@ class TritonCopier(GpuCopier):
             logger.warning("sgl-nixl: fast Triton launches off (self-test); copies stay correct")
 
     def _copy(
-        self, gather: bool, bases: Any, units: Any, unit_len: int, stride: int, offset: int,
-        stage: int, stream: Any,
+        self,
+        gather: bool,
+        bases: Any,
+        units: Any,
+        unit_len: int,
+        stride: int,
+        offset: int,
+        stage: int,
+        stream: Any,
     ) -> None:
         unit_len, stride, offset, stage = int(unit_len), int(stride), int(offset), int(stage)
         _check_geometry(unit_len, stride, offset, stage)
@@ -383,15 +466,28 @@ class TritonCopier(GpuCopier):
             return
         mapped = isinstance(units, MappedUnits)
         if (
-            isinstance(bases, DeviceBases) and self._is_current(stream) and (mapped or (
-                isinstance(units, self.torch.Tensor) and units.is_cuda and units.dim() == 1))
+            isinstance(bases, DeviceBases)
+            and self._is_current(stream)
+            and (
+                mapped
+                or (isinstance(units, self.torch.Tensor) and units.is_cuda and units.dim() == 1)
+            )
         ):
             # the per-piece path: everything already on the GPU, on the right stream
             align = _align_of(bases.bits, unit_len, stride, offset, stage)
             if align >= 4:
                 launch_unit_copy(
-                    gather, bases.aligned(), units if mapped else _aligned_units(units), n,
-                    unit_len, stride, offset, stage, align, self.tile_bytes, self.num_warps,
+                    gather,
+                    bases.aligned(),
+                    units if mapped else _aligned_units(units),
+                    n,
+                    unit_len,
+                    stride,
+                    offset,
+                    stage,
+                    align,
+                    self.tile_bytes,
+                    self.num_warps,
                     self._fast,
                 )
                 return
@@ -399,7 +495,8 @@ class TritonCopier(GpuCopier):
             bases = bases.tensor.cpu().numpy().view(np.uint64)  # rare: another thread/stream
         if mapped:
             units = np.ctypeslib.as_array(  # its host view: uploaded like any numpy array
-                (np.ctypeslib.ctypes.c_int64 * n).from_address(units.data_ptr()))
+                (np.ctypeslib.ctypes.c_int64 * n).from_address(units.data_ptr())
+            )
         with _StreamScope(self.torch, self.device, stream) as s:
             bases_t, acc = self._index.bases(bases, s)
             align = _align_of(acc, unit_len, stride, offset, stage)
@@ -410,6 +507,16 @@ class TritonCopier(GpuCopier):
                 )
             units_t = self._index.units(units, s)
             launch_unit_copy(
-                gather, bases_t, units_t, n, unit_len, stride, offset, stage, align,
-                self.tile_bytes, self.num_warps, self._fast,
+                gather,
+                bases_t,
+                units_t,
+                n,
+                unit_len,
+                stride,
+                offset,
+                stage,
+                align,
+                self.tile_bytes,
+                self.num_warps,
+                self._fast,
             )

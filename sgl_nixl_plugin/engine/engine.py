@@ -74,7 +74,10 @@ class TransferEngine:
     """Owns the agent and the local memory; builds links and posts WRITEs."""
 
     def __init__(
-        self, config: AgentConfig, memory: Memory, name: str | None = None,
+        self,
+        config: AgentConfig,
+        memory: Memory,
+        name: str | None = None,
         progress_thread: bool = False,
     ) -> None:
         self.agent = Agent(config, name, progress_thread)
@@ -135,7 +138,8 @@ class TransferEngine:
                 )
                 link.groups[group] = GroupLink(
                     geometry=geo,
-                    local=self._local_side(group, geo) if n == len(local_groups[group])
+                    local=self._local_side(group, geo)
+                    if n == len(local_groups[group])
                     else self._prep_local_prefix(group, local, geo),
                     remote=remote_side,
                     unit_bytes=unit,
@@ -206,6 +210,9 @@ def _first(regions: RegionSet, n: int) -> RegionSet:
     if n == len(regions):
         return regions
     return RegionSet(
-        regions.ptrs[:n], regions.lens[:n], regions.item_lens[:n], regions.devices[:n],
+        regions.ptrs[:n],
+        regions.lens[:n],
+        regions.item_lens[:n],
+        regions.devices[:n],
         regions.mem_kind,
     )

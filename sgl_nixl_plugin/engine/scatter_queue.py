@@ -25,7 +25,14 @@ class ScatterQueue:
         self._cond = threading.Condition()
 
     def launch(
-        self, token: Any, *, bases: Any, units: Any, unit_len: int, stride: int, offset: int,
+        self,
+        token: Any,
+        *,
+        bases: Any,
+        units: Any,
+        unit_len: int,
+        stride: int,
+        offset: int,
         stage: int,
     ) -> None:
         """Scatter one piece from staging address ``stage``; ``token`` comes out when done."""

@@ -72,7 +72,11 @@ def piece_bytes(nbytes: int, slot_bytes: int, mem_kind: str, same_device: bool =
 
 
 def plan_request(
-    num_regions: int, num_units: int, unit_len: int, slot_bytes: int, mem_kind: str,
+    num_regions: int,
+    num_units: int,
+    unit_len: int,
+    slot_bytes: int,
+    mem_kind: str,
     same_device: bool = False,
 ) -> list[Piece]:
     """The pieces of one staged transfer, sized for pipelining (``piece_bytes``)."""
@@ -96,7 +100,9 @@ def plan_pieces(num_regions: int, num_units: int, unit_len: int, slot_bytes: int
     if region_bytes <= slot_bytes:
         per = max(1, slot_bytes // region_bytes)
         for r0 in range(0, num_regions, per):
-            pieces.append(Piece(len(pieces), r0, min(num_regions, r0 + per), 0, num_units, unit_len))
+            pieces.append(
+                Piece(len(pieces), r0, min(num_regions, r0 + per), 0, num_units, unit_len)
+            )
         return pieces
     units_per_piece = max(1, slot_bytes // unit_len)
     for r in range(num_regions):
@@ -136,7 +142,9 @@ def choose_path(
 class StagingBuffer:
     """A registered buffer cut into equal slots, with a thread-safe free list."""
 
-    def __init__(self, agent: Agent, nbytes: int, slot_bytes: int, mem_kind: str, device: int = 0) -> None:
+    def __init__(
+        self, agent: Agent, nbytes: int, slot_bytes: int, mem_kind: str, device: int = 0
+    ) -> None:
         if slot_bytes <= 0 or nbytes < slot_bytes:
             raise ValueError(f"staging of {nbytes} bytes cannot hold a {slot_bytes}-byte slot")
         self.slot_bytes = slot_bytes
@@ -189,7 +197,6 @@ class RemoteStaging:
     device: int
     mem_kind: str
     device_uuid: str = ""  # of its GPU ("" unknown): same as ours -> one GPU for both sides
-    returns: bool = False  # it takes slots back before the room ends (``SlotReturn``)
 
     def addr(self, slot: int) -> int:
         return self.ptr + slot * self.slot_bytes
@@ -258,13 +265,17 @@ class StagedSend:
         """Whether only polling moves it on (a WRITE or gather to finish, a piece it can
         gather or post now); False while it waits for a receiver credit, which the
         caller learns about by message."""
-        return bool(self._writing) or (bool(self._gathered) and bool(self.remote_free)) or (
-            not self.error and self._may_gather() and self.local.free > 0
+        return (
+            bool(self._writing)
+            or (bool(self._gathered) and bool(self.remote_free))
+            or (not self.error and self._may_gather() and self.local.free > 0)
         )
 
     def _may_gather(self) -> bool:
         """Another piece may be gathered now (see ``receiver_slots``)."""
-        ahead = self.ahead if self.receiver_slots is None else min(self.ahead, self.receiver_slots())
+        ahead = (
+            self.ahead if self.receiver_slots is None else min(self.ahead, self.receiver_slots())
+        )
         return self._next < len(self.pieces) and len(self._gathered) < ahead
 
     def step(self) -> list[tuple[Piece, int]]:
@@ -312,9 +323,13 @@ class StagedSend:
             f.remote_slot = self.remote_free.popleft()
             try:
                 f.xfer = self.agent.write_contiguous(
-                    self.local.addr(f.local_slot), self.remote.addr(f.remote_slot),
-                    f.piece.nbytes, peer=self.peer, mem_kind=self.local.mem_kind,
-                    remote_mem_kind=self.remote.mem_kind, local_device=self.local.device,
+                    self.local.addr(f.local_slot),
+                    self.remote.addr(f.remote_slot),
+                    f.piece.nbytes,
+                    peer=self.peer,
+                    mem_kind=self.local.mem_kind,
+                    remote_mem_kind=self.remote.mem_kind,
+                    local_device=self.local.device,
                     remote_device=self.remote.device,
                 )
             except TransferError as exc:
@@ -344,9 +359,13 @@ class StagedSend:
                 self._bases_dev = self.copier.prepare_bases(self.src_bases, self.stream)
                 self._note(piece, "indices ready")
             self.copier.gather(
-                self._bases_dev[piece.r0 : piece.r1], self._units_dev[piece.j0 : piece.j1],
-                piece.unit_len, g.src_stride or piece.unit_len, g.src_offset,
-                self.local.addr(slots[0]), self.stream,
+                self._bases_dev[piece.r0 : piece.r1],
+                self._units_dev[piece.j0 : piece.j1],
+                piece.unit_len,
+                g.src_stride or piece.unit_len,
+                g.src_offset,
+                self.local.addr(slots[0]),
+                self.stream,
             )
             f = _InFlight(piece, slots[0], -1)
             if self.stream is not None:

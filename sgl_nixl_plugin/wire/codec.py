@@ -34,6 +34,7 @@ from sgl_nixl_plugin.wire.messages import (
     PROTOCOL_VERSION,
     IndexSpec,
     Message,
+    RegistrationReply,
     TransferRequest,
 )
 from sgl_nixl_plugin.wire.replay import ReplayGuard
@@ -58,6 +59,34 @@ class _VersionProbe(msgspec.Struct, array_like=True):
     """Just the version of an ``Envelope`` (msgspec skips the trailing fields)."""
 
     version: int
+
+
+class ForeignRegistration(msgspec.Struct, frozen=True, tag="reg"):
+    """What every protocol version's ``PeerRegistration`` says: who to refuse, and where."""
+
+    agent_name: str
+    ip: str
+    port: int
+    version: int = 0  # filled in from the envelope
+
+
+class ForeignReply(msgspec.Struct, frozen=True, tag="reg_reply"):
+    """What every protocol version's ``RegistrationReply`` says."""
+
+    agent_name: str
+    prefill_rank: int
+    accepted: bool
+    reason: str = ""
+    ip: str = ""
+    port: int = 0
+    version: int = 0
+
+
+class _ForeignEnvelope(msgspec.Struct, array_like=True):
+    version: int
+    sent_at: float
+    signed: bool
+    body: ForeignRegistration | ForeignReply
 
 
 @dataclass
@@ -134,12 +163,19 @@ class Codec:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Envelope)
         self._probe = msgspec.msgpack.Decoder(_VersionProbe)
+        self._foreign = msgspec.msgpack.Decoder(_ForeignEnvelope)
 
     def encode(self, msg: Message, arrays: Sequence[np.ndarray] = ()) -> list[Any]:
         """Frames for ``msg``; ``arrays`` are sent without a copy when already int32."""
-        header = self._encoder.encode(
-            Envelope(PROTOCOL_VERSION, time.time(), self.secret is not None, msg)
-        )
+        return self._encode(PROTOCOL_VERSION, msg, arrays)
+
+    def encode_foreign(self, reply: RegistrationReply, version: int) -> list[Any]:
+        """A registration refusal in the envelope of protocol ``version`` (a peer of another
+        release reads it: the envelope, the MAC and the reply's fields are frozen)."""
+        return self._encode(version, reply, ())
+
+    def _encode(self, version: int, msg: Message, arrays: Sequence[np.ndarray]) -> list[Any]:
+        header = self._encoder.encode(Envelope(version, time.time(), self.secret is not None, msg))
         frames: list[Any] = [MAGIC, header]
         for arr in arrays:
             frame = np.ascontiguousarray(arr, dtype=INDEX_DTYPE)
@@ -180,6 +216,27 @@ class Codec:
             peer,
         )
 
+    def _foreign_contact(
+        self, frames: Sequence[Any], header: memoryview, version: int, peer: str
+    ) -> Decoded | None:
+        """A peer of another protocol version: rejected (counted, logged), except its
+        registration or registration reply, read through the fields every version keeps
+        so that both sides can fail fast with a reason instead of timing out."""
+        self._reject_version(version, peer)
+        try:
+            env = self._foreign.decode(header)
+        except msgspec.DecodeError:
+            return None
+        if self.secret is not None:
+            mac = bytes(_frame_bytes(frames[-1])) if len(frames) > 2 else b""
+            if (
+                not env.signed
+                or len(mac) != MAC_LEN
+                or not hmac.compare_digest(mac, self._mac(frames[:-1]))
+            ):
+                return None
+        return Decoded(msgspec.structs.replace(env.body, version=version))
+
     def _decode(self, frames: Sequence[Any], peer: str) -> Decoded | None:
         reject = self.rejections.reject
         if len(frames) < 2 or bytes(_frame_bytes(frames[0])) != MAGIC:
@@ -196,13 +253,11 @@ class Codec:
             # read at all: name the version mismatch rather than calling it malformed.
             version = self._peer_version(header)
             if version is not None and version != PROTOCOL_VERSION:
-                self._reject_version(version, peer)
-            else:
-                reject("malformed", str(exc)[:200], peer)
+                return self._foreign_contact(frames, header, version, peer)
+            reject("malformed", str(exc)[:200], peer)
             return None
         if env.version != PROTOCOL_VERSION:
-            self._reject_version(env.version, peer)
-            return None
+            return self._foreign_contact(frames, header, env.version, peer)
         body_frames = list(frames[2:])
         if self.secret is not None:
             if not env.signed or not body_frames:

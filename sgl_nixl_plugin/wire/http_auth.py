@@ -31,7 +31,11 @@ def sign(secret: bytes | None, method: str, path_qs: str, body: bytes = b"") -> 
 
 
 def verify(
-    secret: bytes, method: str, path_qs: str, body: bytes, header: str | None,
+    secret: bytes,
+    method: str,
+    path_qs: str,
+    body: bytes,
+    header: str | None,
     max_skew_s: float = 300.0,
 ) -> str:
     """'' if the signature is valid, else why not (for a 401 body and the log)."""

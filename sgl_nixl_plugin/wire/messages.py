@@ -12,7 +12,7 @@ from typing import Annotated
 import msgspec
 
 #: Bumped on any incompatible change to these structs or to the framing in ``codec``.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # Upper bounds that keep a hostile peer from making us allocate or loop without limit.
 MAX_REGIONS = 16384
@@ -62,12 +62,9 @@ class StagingArea(msgspec.Struct, frozen=True):
 
     region: Region
     slot_bytes: Annotated[int, msgspec.Meta(gt=0)]
-    # the GPU's UUID ("" for host memory or from 0.2.0 and older): equal on both sides
-    # means one GPU shared by both processes, which pipelines in fewer pieces
+    # the GPU's UUID ("" for host memory): equal on both sides means one GPU shared by
+    # both processes, which pipelines in fewer pieces
     device_uuid: Annotated[str, msgspec.Meta(max_length=64)] = ""
-    # the decode takes slots back mid-room (SlotReturn); 0.3.0 and older neither send nor
-    # read it, and a prefill sends SlotReturn only to a decode that set it
-    returns: bool = False
 
 
 class PeerRegistration(msgspec.Struct, frozen=True, tag="reg"):
@@ -88,7 +85,13 @@ class PeerRegistration(msgspec.Struct, frozen=True, tag="reg"):
 
 
 class RegistrationReply(msgspec.Struct, frozen=True, tag="reg_reply"):
-    """Prefill rank -> decode rank: accepted, or refused with a reason naming both sides."""
+    """Prefill rank -> decode rank: accepted, or refused with a reason naming both sides.
+
+    Frozen across protocol versions (with ``PeerRegistration``'s ``agent_name``, ``ip``
+    and ``port``): a prefill answers a registration of another version with a refusal in
+    that version's envelope (``Codec.encode_foreign``), so the decode fails its requests
+    at once with a reason that names both versions.
+    """
 
     agent_name: Name
     prefill_rank: NonNeg
@@ -97,8 +100,6 @@ class RegistrationReply(msgspec.Struct, frozen=True, tag="reg_reply"):
     ip: Name = ""  # the prefill rank's control address, so the decode knows who refused
     port: Port = 0
     retry: bool = False  # the prefill lost this decode's registration: register again
-    # the prefill gives staging slots back when asked (SlotRecall); 0.3.0 and older: False
-    returns: bool = False
 
 
 class IndexSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -124,32 +125,33 @@ class TransferRequest(msgspec.Struct, frozen=True, tag="xfer"):
     decode_prefix_len: NonNeg = 0
     is_dummy: bool = False
     indices: Annotated[list[IndexSpec], msgspec.Meta(max_length=MAX_INDEX_FRAMES)] = []
-    staging_slots: Annotated[list[NonNeg], msgspec.Meta(max_length=64)] = []  # granted to this sender
-    # the decode stages this room but had no slot free now: ask (SlotAsk), it grants later
-    staging_wait: bool = False
+    # the decode stages this room: slots granted to this sender now (maybe none: it asks
+    # with SlotAsk when its first chunk is ready, and gets SlotGrants)
+    staged: bool = False
+    staging_slots: Annotated[list[NonNeg], msgspec.Meta(max_length=64)] = []
 
 
 class TransferStatus(msgspec.Struct, frozen=True, tag="status"):
     """Prefill rank -> decode rank: a room's terminal (or readiness) status.
 
-    ``ip``/``port`` name the sending rank's control endpoint (0.4.0; empty from older
-    prefills): a decode frees the staging slots that rank holds as soon as its Success has
-    been applied, instead of when the whole room ends."""
+    ``ip``/``port`` name the sending rank's control endpoint: a decode frees the staging
+    slots that rank holds as soon as its Success has been applied, instead of when the
+    whole room ends."""
 
     room: Room
     status: Annotated[int, msgspec.Meta(ge=0, le=4)]
     prefill_rank: NonNeg
-    reason: Reason = ""
-    ip: Name = ""
-    port: Port = 0
+    reason: Reason
+    ip: Name
+    port: Port
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
     """Decode rank -> prefill rank: stop writing into this room's pages."""
 
     room: Room
-    ip: Name = ""
-    port: Port = 0
+    ip: Name
+    port: Port
     generation: int | None = None
     # why the decode gave the room up, when it did not ask for it (e.g. the prefill refused
     # its registration): the prefill fails its side with this reason instead of a generic one
@@ -186,8 +188,8 @@ class PieceReady(msgspec.Struct, frozen=True, tag="piece"):
     unit_len: Annotated[int, msgspec.Meta(gt=0)]
     units_per_item: Annotated[int, msgspec.Meta(gt=0)]
     dst_stride: Annotated[int, msgspec.Meta(gt=0)]
-    dst_offset: NonNeg = 0
-    seq: NonNeg = 0  # this use of the slot; PieceDone echoes it (0: a 0.1 peer)
+    dst_offset: NonNeg
+    seq: Annotated[int, msgspec.Meta(gt=0)]  # this use of the slot; PieceDone echoes it
 
 
 class PieceDone(msgspec.Struct, frozen=True, tag="piece_done"):
@@ -199,12 +201,12 @@ class PieceDone(msgspec.Struct, frozen=True, tag="piece_done"):
     room: Room
     agent_name: Name
     slot: NonNeg
-    seq: NonNeg = 0
+    seq: Annotated[int, msgspec.Meta(gt=0)]
 
 
 class SlotAsk(msgspec.Struct, frozen=True, tag="slot_ask"):
-    """Prefill rank -> decode rank: this sender of ``room`` waits for a staging slot
-    (its TransferRequest said ``staging_wait``); grants go to ``ip:port``."""
+    """Prefill rank -> decode rank: this sender of a staged ``room`` has no slot for its
+    next chunk; grants go to ``ip:port``."""
 
     room: Room
     agent_name: Name
@@ -234,8 +236,7 @@ class SlotReturn(msgspec.Struct, frozen=True, tag="slot_return"):
 
 class SlotRecall(msgspec.Struct, frozen=True, tag="slot_recall"):
     """Decode rank -> prefill rank: senders wait for staging slots; give back this room's
-    if no chunk of it is using them (SlotReturn). Sent only to prefills whose
-    RegistrationReply said ``returns``."""
+    if no chunk of it is using them (SlotReturn)."""
 
     room: Room
     agent_name: Name
@@ -255,8 +256,8 @@ class Pong(msgspec.Struct, frozen=True, tag="pong"):
 
     sender: Name
     seq: NonNeg
-    ip: Name = ""
-    port: Port = 0
+    ip: Name
+    port: Port
 
 
 Message = (

@@ -1,4 +1,4 @@
-"""A decode-like NIXL peer in its own process, driven over a pipe (``tests/test_engine.py``).
+"""A decode-like NIXL peer in its own process, driven over a pipe (``tests/component/test_engine.py``).
 
 The peer allocates numpy DRAM buffers, creates a ``TransferEngine`` over them and sends its
 agent metadata and buffer layout back; the test process then links to it and WRITEs into

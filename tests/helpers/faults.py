@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from helpers.waiting import poll_until
 from sgl_nixl_plugin.bench.rank import Pools, RankSpec, _setup, _tables
 from sgl_nixl_plugin.bench.session import LOOPBACK_ENV, free_port
 from sgl_nixl_plugin.bench.workload import (
@@ -55,8 +56,8 @@ TESTS_DIR = str(Path(__file__).resolve().parents[1])
 #: keeps a loaded CI host from failing rooms by silence instead, so a pass proves the
 #: reset path. The partition test sets its own short deadline.
 FAULT_ENV = {
-    "SGL_NIXL_PLUGIN_LIVENESS_INTERVAL": "1.0",
-    "SGL_NIXL_PLUGIN_LIVENESS_MISSES": "30",
+    "SGLANG_NIXL_PLUGIN_LIVENESS_INTERVAL": "1.0",
+    "SGLANG_NIXL_PLUGIN_LIVENESS_MISSES": "30",
     "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "120",
     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "120",
 }
@@ -265,21 +266,6 @@ class RankProc:
                     f"{timeout:.0f}s\n{self.log_tail()}"
                 )
             self._pump(min(left, 0.2))
-
-
-def poll_until(
-    probe: Callable[[], Any], ok: Callable[[Any], bool], timeout: float, interval: float = 0.05
-) -> tuple[Any, float]:
-    """Call ``probe`` until ``ok(value)`` (bounded): returns (value, time.time() it held).
-    Raises ``TimeoutError`` with the last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if ok(value):
-            return value, time.time()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met in {timeout:.1f}s; last value: {value!r}")
-        time.sleep(interval)  # polling interval of a bounded wait, not synchronisation
 
 
 class FaultCluster:
@@ -664,8 +650,10 @@ class _PrefillRank(_Rank):
         mgr = self.mgr
         return {
             "tables": _tables(mgr),
-            "peers": sorted(mgr.control.peers),
-            "watched": {ep: w.connected for ep, w in list(mgr.control.watch._peers.items())},
+            "peers": sorted(mgr.prefill.ctx.peers.accepted),
+            "watched": {
+                ep: w.connected for ep, w in list(mgr.prefill.control.watch._peers.items())
+            },
             "active": len(self.active),
         }
 
@@ -746,7 +734,10 @@ class _DecodeRank(_Rank):
 
     # -- commands ------------------------------------------------------------------------
     def do_submit(
-        self, reqs: list[Request], addr: str, short: list[int] | None = None,
+        self,
+        reqs: list[Request],
+        addr: str,
+        short: list[int] | None = None,
         metadata: bool = True,
     ) -> dict[int, str]:
         """Allocate pages and send each request's metadata (``short`` rooms get one page
@@ -761,7 +752,11 @@ class _DecodeRank(_Rank):
         return problems
 
     def start_room(
-        self, r: Request, addr: str, short: bool = False, zero: bool = True,
+        self,
+        r: Request,
+        addr: str,
+        short: bool = False,
+        zero: bool = True,
         metadata: bool = True,
     ) -> str | None:
         mgr, pools = self.mgr, self.pools
@@ -861,10 +856,10 @@ class _DecodeRank(_Rank):
         from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
         mgr = self.mgr
-        watch = mgr.listener.watch
+        watch = mgr.decode.listener.watch
         return {
             "tables": _tables(mgr),
-            "known": sorted(mgr.known_endpoints()),
+            "known": sorted(mgr.decode.policy.known_endpoints()),
             "watched": {ep: w.connected for ep, w in list(watch._peers.items())},
             "pool_keys": _keys(mgr.connection_pool),
             "sockets": _keys(CommonKVReceiver._socket_cache),
@@ -1090,7 +1085,7 @@ def soak_prefill(rank: _PrefillRank, plan: SoakPlan) -> dict[str, Any]:
     t_end = time.monotonic()
     # Let the transfer workers settle the last rooms (bounded), then read the tables.
     settle = time.monotonic() + 10
-    while time.monotonic() < settle and any(w_.rooms for w_ in rank.mgr.workers):
+    while time.monotonic() < settle and any(w_.active for w_ in rank.mgr.prefill.workers):
         time.sleep(0.01)
     return {
         "done": done,
@@ -1100,7 +1095,7 @@ def soak_prefill(rank: _PrefillRank, plan: SoakPlan) -> dict[str, Any]:
         "rss_end": _rss_after_gc(),
         "tables_warm": tables_warm,
         "tables_end": _tables(rank.mgr),
-        "peers": sorted(rank.mgr.control.peers),
+        "peers": sorted(rank.mgr.prefill.ctx.peers.accepted),
         "wall_s": t_end - t_start,
         "steady_s": (t_end - t_warm) if t_warm else None,
     }
@@ -1220,7 +1215,7 @@ def child_main(fd: int) -> None:
     spec, opts = init["spec"], init["opts"]
     deadline = time.monotonic() + float(init["lifetime_s"])
     logging.basicConfig(
-        level=os.environ.get("SGL_NIXL_BENCH_LOG", "WARNING"),
+        level=os.environ.get("SGLANG_NIXL_PLUGIN_BENCH_LOG", "WARNING"),
         format=f"%(asctime)s {spec.role}{spec.instance} %(name)s %(levelname)s: %(message)s",
     )
     # A hard deadline of its own: the process ends even if the test process vanished.

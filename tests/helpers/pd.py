@@ -28,7 +28,10 @@ SESSION_TIMEOUT_S = 110.0
 #: NixlPluginKVManager.__init__), which a loaded host stretches past the 5 s default.
 #: A long liveness deadline keeps that from failing rooms here; a dead rank still shows up
 #: as a failed or timed-out room.
-E2E_ENV = {"SGL_NIXL_PLUGIN_LIVENESS_INTERVAL": "1.0", "SGL_NIXL_PLUGIN_LIVENESS_MISSES": "30"}
+E2E_ENV = {
+    "SGLANG_NIXL_PLUGIN_LIVENESS_INTERVAL": "1.0",
+    "SGLANG_NIXL_PLUGIN_LIVENESS_MISSES": "30",
+}
 
 
 @contextmanager

@@ -74,16 +74,18 @@ def catalogue(workdir: Path) -> dict[str, Scenario]:
             probe("--parse", "nixl_test", "--parse", "nixl", "--extra-backend", "nixl_test"),
             third_party_env,
         ),
-        "old_sglang": Scenario(probe(), env(SGL_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE=OLD_SGLANG)),
+        "old_sglang": Scenario(probe(), env(SGLANG_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE=OLD_SGLANG)),
         "old_sglang_strict": Scenario(
             probe(),
-            env(SGL_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE=OLD_SGLANG, SGL_NIXL_PLUGIN_STRICT="1"),
+            env(
+                SGLANG_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE=OLD_SGLANG, SGLANG_NIXL_PLUGIN_STRICT="1"
+            ),
         ),
         "changed_signature": Scenario(probe("--break-signature"), env()),
         "doctor": Scenario(cli("doctor"), env()),
         "doctor_json": Scenario(cli("doctor", "--json"), env()),
         "doctor_old_sglang": Scenario(
-            cli("doctor"), env(SGL_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE=OLD_SGLANG)
+            cli("doctor"), env(SGLANG_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE=OLD_SGLANG)
         ),
     }
 

@@ -8,12 +8,12 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from sgl_nixl_plugin import env
+from sgl_nixl_plugin import settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: Multiplies every subprocess (and scenario-test) timeout; raise it on an overloaded machine,
 #: where one SGLang import alone can take minutes (e.g. SGLANG_NIXL_PLUGIN_TEST_TIMEOUT_SCALE=3).
-TIMEOUT_SCALE = max(1.0, float(env.get("TEST_TIMEOUT_SCALE", "1")))
+TIMEOUT_SCALE = max(1.0, settings.test_timeout_scale())
 TIMEOUT_S = 120 * TIMEOUT_SCALE
 #: pytest-timeout for a test that waits on scenarios queued behind others on a small pool.
 SCENARIO_TEST_TIMEOUT_S = int(TIMEOUT_S * 5)
@@ -23,9 +23,7 @@ SCENARIO_TEST_TIMEOUT_S = int(TIMEOUT_S * 5)
 _SCRUBBED = (
     "SGLANG_PLUGINS",
     "SGLANG_PLATFORM",
-    "SGL_NIXL_PLUGIN_STRICT",
-    "SGL_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE",
-    "SGLANG_NIXL_PLUGIN_STRICT",  # the same two, spelled as SGLang asks (both are read)
+    "SGLANG_NIXL_PLUGIN_STRICT",
     "SGLANG_NIXL_PLUGIN_SGLANG_VERSION_OVERRIDE",
     "SGLANG_DISAGGREGATION_NIXL_BACKEND",
     "SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS",

@@ -71,8 +71,8 @@ CPU_FLAGS = (
 )  # fmt: skip
 
 #: Inherited variables that would change which backend or plugins a server runs.
-_SCRUBBED_PREFIXES = ("SGLANG_", "SGL_NIXL_PLUGIN_", "SGLANG_NIXL_PLUGIN_", "UCX_", "NIXL_")
-_KEEP = ("SGL_NIXL_PLUGIN_TEST_TIMEOUT_SCALE",)
+_SCRUBBED_PREFIXES = ("SGLANG_", "UCX_", "NIXL_")
+_KEEP = ("SGLANG_NIXL_PLUGIN_TEST_TIMEOUT_SCALE",)
 
 
 def cpu_bind(tp: int) -> str:

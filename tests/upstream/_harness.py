@@ -198,14 +198,14 @@ class Cluster:
                 "_deferred_abort_ack_tracker",
                 "_deferred_ack_targets",
                 "_staging_outstanding",
-                "room_endpoints",
-                "room_seen",
-                "remote_free",
-                "early_aborts",
             ):
                 table = getattr(mgr, name, None)
                 if isinstance(table, dict):
                     table.pop(room, None)
+        # ours: the room records of both sides
+        self.prefill.prefill.release(room)
+        self.prefill.prefill.ctx.early.claim(room)
+        self.decode.decode.close_room(room, ok=True)
         for rooms in getattr(self.decode, "addr_to_rooms_tracker", {}).values():
             rooms.discard(room)
 

@@ -361,7 +361,7 @@ def test_drain_ack_follows_room_status_and_outstanding_writes(cluster, rooms, fa
         assert early == []  # the WRITE may still land: no ack yet
         target = mgr._deferred_ack_targets[room][(decode.ip, decode.port)]
         assert target.generation == GENERATION
-        mgr.transfer_settled(room)  # the worker's last WRITE of the room completed
+        mgr.prefill.ctx.sglang.end_transfer(room)  # the worker's last WRITE of the room completed
         acks = [decode.recv()]
     else:
         acks = early
@@ -402,7 +402,7 @@ def test_drain_ack_fans_out_to_every_decode_rank_that_aborted(cluster, rooms, fa
     rank1.send(mgr.rank_port, _abort(rank1, room, 8))
     assert rank0.round_trip(mgr.rank_port) == []
     assert rank1.round_trip(mgr.rank_port) == []
-    mgr.transfer_settled(room)
+    mgr.prefill.ctx.sglang.end_transfer(room)
     assert rank0.recv().generation == 3
     assert rank1.recv().generation == 8
     assert rank0.round_trip(mgr.rank_port) == rank1.round_trip(mgr.rank_port) == []
@@ -416,7 +416,7 @@ def test_a_repeated_abort_from_one_decode_rank_keeps_its_latest_generation(
     decode.send(mgr.rank_port, _abort(decode, room, 3))
     decode.send(mgr.rank_port, _abort(decode, room, 4))
     assert decode.round_trip(mgr.rank_port) == []
-    mgr.transfer_settled(room)
+    mgr.prefill.ctx.sglang.end_transfer(room)
     assert decode.recv().generation == 4
     assert decode.round_trip(mgr.rank_port) == []
 
@@ -432,7 +432,7 @@ def test_sender_clear_keeps_the_ack_target_until_the_write_drains(cluster, rooms
     sender.clear()  # the scheduler is done with the request; its WRITE is not
     assert room in mgr._deferred_ack_targets
     assert decode.round_trip(mgr.rank_port) == []
-    mgr.transfer_settled(room)
+    mgr.prefill.ctx.sglang.end_transfer(room)
     assert decode.recv().generation == 9
 
 

@@ -140,12 +140,12 @@ def test_success_waits_for_an_outstanding_write_and_survives_clear(cluster, room
     sender = cluster.sender(room)
     sender._transfer_start_time = time.perf_counter() - 2.0
     # A worker reserves each chunk's WRITEs in _staging_outstanding before posting them
-    # and settles them through transfer_settled(); Success must wait for the last one.
+    # and settles them through SGLangRooms.end_transfer(); Success must wait for the last one.
     mgr._staging_outstanding[room] += 1
     mgr.update_status(room, KVPoll.Success)
     assert sender.poll() == KVPoll.Transferring
     assert sender.conclude_state is None
-    mgr.transfer_settled(room)
+    mgr.prefill.ctx.sglang.end_transfer(room)
     assert sender.poll() == KVPoll.Success
     assert sender._transfer_metric.transfer_latency_s >= 2.0  # the plugin reports latency
     sender.clear()

@@ -43,7 +43,7 @@ def test_messages_reach_a_decode_that_came_back_on_the_same_address(cluster):
     seq = iter(range(1, 10_000))
 
     def pong() -> bool:
-        return mgr.send_to(
+        return mgr.transport.send(
             ("127.0.0.1", port), Pong(mgr.engine.name, next(seq), mgr.local_ip, mgr.rank_port)
         )
 

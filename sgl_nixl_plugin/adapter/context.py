@@ -1,0 +1,120 @@
+"""What each side's threads share, handed to them explicitly (no back-pointer to the
+manager): the engine, the wire, the transport, SGLang's room tables and our own."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sgl_nixl_plugin import metrics
+from sgl_nixl_plugin.adapter.memory import HeadLayout
+from sgl_nixl_plugin.adapter.transport import Transport
+from sgl_nixl_plugin.engine.engine import PeerLink, TransferEngine
+from sgl_nixl_plugin.engine.staging import StagingBuffer
+from sgl_nixl_plugin.protocol.decode_rooms import DecodeRooms
+from sgl_nixl_plugin.protocol.peers import DecodePeers
+from sgl_nixl_plugin.protocol.prefill_rooms import EarlyAborts, PrefillRoom, PrefillRooms
+from sgl_nixl_plugin.registry import manager as registry
+from sgl_nixl_plugin.registry.spec import TransferEvent
+from sgl_nixl_plugin.settings import Settings
+from sgl_nixl_plugin.wire.codec import Codec
+from sgl_nixl_plugin.wire.messages import Compat
+
+if TYPE_CHECKING:  # the facade imports SGLang; the sides' logic runs without it (tests)
+    from sgl_nixl_plugin.adapter.sglang_rooms import SGLangRooms
+
+Endpoint = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Identity:
+    """This rank as peers address it."""
+
+    name: str  # NIXL agent name
+    ip: str
+    port: int  # control socket
+    rank: int = 0  # prefill: SGLang's unique prefill rank id
+
+
+@dataclass(eq=False)
+class SideBase:
+    me: Identity
+    settings: Settings
+    codec: Codec
+    transport: Transport
+    engine: TransferEngine
+    sglang: SGLangRooms
+    zmq_ctx: Any
+    server_socket: Any
+    mem_kind: str
+    engine_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, endpoint: Endpoint, msg: Any, arrays: tuple = ()) -> bool:
+        return self.transport.send(endpoint, msg, arrays)
+
+    def reject(self, reason: str, detail: str = "", peer: str = "") -> None:
+        self.codec.rejections.reject(reason, detail, peer)
+
+    def unlink(self, link: PeerLink) -> None:
+        with self.engine_lock:
+            self.engine.unlink(link)
+
+
+@dataclass(eq=False)
+class PrefillContext(SideBase):
+    compat: Compat | None = None
+    compat_hash: str = ""
+    is_mla: bool = False
+    head_layout: HeadLayout | None = None
+    attn_tp_rank: int = 0
+    kv_item_len: int = 0
+    rooms: PrefillRooms = field(default_factory=PrefillRooms)
+    peers: DecodePeers = field(default_factory=DecodePeers)
+    early: EarlyAborts = field(default_factory=lambda: EarlyAborts(60.0))
+    staging: StagingBuffer | None = None
+    copier: Any = None
+    copy_stream: Any = None
+    fallbacks: int = 0  # staged chunks sent direct: no receiver slot in time
+
+    def fail_rooms_of_peer(self, agent: str, reason: str) -> None:
+        """Fail (and tell) every open room with a destination on decode ``agent``."""
+        for room, infos in self.sglang.rooms_with_destinations():
+            info = infos.get(agent)
+            if info is not None and not info.is_dummy and self.sglang.is_open(room):
+                self.sglang.conclude_failure(room, reason)
+
+    def note_early_abort(self, room: int, reason: str) -> bool:
+        """Fail ``room`` now, or at its sender's creation if it has none yet (False)."""
+        if not self.sglang.exists(room):
+            self.early.note(room, reason)
+            return False
+        self.sglang.fail_unless_done(room, reason)
+        return True
+
+    def observe(self, rec: PrefillRoom, ok: bool, reason: str | None = None) -> None:
+        """Report a finished room to metrics and to deployers' observer hooks."""
+        seconds = time.perf_counter() - rec.started
+        metrics.transfer_done(ok, rec.path, rec.nbytes, seconds, rec.descriptors, reason)
+        if self.staging is not None:
+            metrics.staging_in_use("prefill", self.staging.num_slots - self.staging.free)
+        registry.notify_transfer(
+            TransferEvent(
+                room=rec.room,
+                peer=",".join(sorted(rec.peers)),
+                ok=ok,
+                bytes=rec.nbytes,
+                duration_s=seconds,
+                descriptors=rec.descriptors,
+                path=rec.path,
+                reason=reason,
+            )
+        )
+
+
+@dataclass(eq=False)
+class DecodeContext(SideBase):
+    rooms: DecodeRooms = field(default_factory=DecodeRooms)
+    staging: Any = None  # DecodeStaging when the staging path is on
+    refused: dict[Endpoint, tuple[str, float]] = field(default_factory=dict)

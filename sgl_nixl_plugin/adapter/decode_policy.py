@@ -1,0 +1,74 @@
+"""Decode side policy: which rooms fail when a prefill rank is lost or refuses this decode.
+
+SGLang's decode fails a room at its handshake without telling anyone; when this side gives
+a room up on its own, it tells the room's prefill ranks why (an ``Abort`` with a reason),
+so that their senders fail now instead of at the bootstrap timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from sgl_nixl_plugin.adapter.context import DecodeContext
+from sgl_nixl_plugin.wire.messages import Abort
+
+logger = logging.getLogger(__name__)
+
+Endpoint = tuple[str, int]
+
+
+class DecodePolicy:
+    def __init__(self, ctx: DecodeContext) -> None:
+        self.ctx = ctx
+
+    def pending_endpoints(self) -> set[Endpoint]:
+        """Prefill ranks that owe this decode data for some room."""
+        return self.ctx.rooms.endpoints_of(self.ctx.sglang.is_pending)
+
+    def known_endpoints(self) -> set[Endpoint]:
+        """Every prefill rank this decode has a cached route to (watched for loss)."""
+        return self.ctx.sglang.cached_prefill_endpoints()
+
+    def fail_endpoint(self, endpoint: Endpoint, reason: str) -> list[int]:
+        """Fail every unfinished room served by ``endpoint``, forget its cached route, and
+        return the rooms failed."""
+        failed = [
+            r for r in self.ctx.rooms.rooms_served_by(endpoint) if self.ctx.sglang.fail(r, reason)
+        ]
+        self.forget_endpoint(endpoint)
+        log = logger.error if failed else logger.info
+        log("sgl-nixl: %s (%d requests failed: rooms %s)", reason, len(failed), _rooms(failed))
+        return failed
+
+    def forget_endpoint(self, endpoint: Endpoint) -> None:
+        """Drop cached routes to ``endpoint``: the next request asks the bootstrap again
+        (and registers again)."""
+        self.ctx.sglang.forget_prefill_endpoint(endpoint)
+
+    def on_refused(self, endpoint: Endpoint, reason: str) -> None:
+        self.ctx.refused[endpoint] = (reason, time.monotonic())
+        why = f"prefill {endpoint[0]}:{endpoint[1]} refused this decode: {reason}"
+        for room in self.fail_endpoint(endpoint, why):
+            self.tell_prefills(room, self.ctx.rooms.endpoints(room) or {endpoint}, why)
+
+    def refusal_since(self, endpoints: set[Endpoint], since: float) -> str | None:
+        """Why one of ``endpoints`` refused this decode at or after ``since``, if one did."""
+        for ep in sorted(endpoints):
+            refused = self.ctx.refused.get(ep)
+            if refused is not None and refused[1] >= since:
+                return f"prefill {ep[0]}:{ep[1]} refused this decode: {refused[0]}"
+        return None
+
+    def tell_prefills(self, room: int, endpoints: set[Endpoint], reason: str) -> None:
+        """This decode gave ``room`` up on its own: tell its prefill ranks why."""
+        me = self.ctx.me
+        msg = Abort(room, me.ip, me.port, None, reason)
+        for ep in endpoints:
+            self.ctx.send(ep, msg)
+
+
+def _rooms(rooms: list[int], limit: int = 8) -> str:
+    """Room ids for a log line, the first ``limit`` of them."""
+    shown = ", ".join(str(r) for r in rooms[:limit])
+    return shown + (f" and {len(rooms) - limit} more" if len(rooms) > limit else "") or "none"

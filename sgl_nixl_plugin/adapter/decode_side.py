@@ -1,0 +1,73 @@
+"""A decode rank's side of the manager: its listener, and the staging path's threads."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from sgl_nixl_plugin.adapter.context import DecodeContext
+from sgl_nixl_plugin.adapter.decode import DecodeListener
+from sgl_nixl_plugin.adapter.decode_policy import DecodePolicy
+from sgl_nixl_plugin.adapter.decode_staging import DecodeStaging
+from sgl_nixl_plugin.wire.messages import StagingArea
+
+Endpoint = tuple[str, int]
+
+
+class DecodeSide:
+    def __init__(self, ctx: DecodeContext) -> None:
+        self.ctx = ctx
+        self.policy = DecodePolicy(ctx)
+        self.listener = DecodeListener(self.policy)
+
+    @property
+    def rooms(self) -> Any:
+        return self.ctx.rooms
+
+    @property
+    def staging(self) -> DecodeStaging | None:
+        return self.ctx.staging
+
+    def start(self) -> None:
+        if self.ctx.staging is not None:
+            self.ctx.staging.start()
+        self.listener.start()
+
+    def staging_area(self) -> StagingArea | None:
+        return self.ctx.staging.area() if self.ctx.staging is not None else None
+
+    def request(self, room: int, pages: np.ndarray, staged: bool, dummy: bool = False) -> list[int]:
+        """One transfer request of ``room`` is being built: the slots granted in it (to the
+        prefill rank it goes to; SGLang builds them in ``bootstrap_infos`` order)."""
+        target = self.ctx.rooms.next_target(room)
+        if dummy:
+            return []
+        self.listener.expect_data()
+        if not staged or self.ctx.staging is None:
+            return []
+        return self.ctx.staging.grant(room, pages, target, self.ctx.sglang.senders_of(room))
+
+    def close_room(self, room: int, ok: bool) -> None:
+        """SGLang cleared the receiver: the room's record goes, its slots return."""
+        grants = self.ctx.rooms.close(room, ok)
+        if self.ctx.staging is not None:
+            self.ctx.staging.messenger(grants)
+
+    def threads(self) -> list[threading.Thread]:
+        out = [self.listener.thread]
+        if self.ctx.staging is not None:
+            out += [self.ctx.staging.thread, self.ctx.staging.completer]
+        return out
+
+    def stop(self) -> None:
+        self.listener.stop()
+        if self.ctx.staging is not None:
+            self.ctx.staging.stop()
+
+    def sizes(self) -> dict[str, int]:
+        out = {f"decode.{k}": v for k, v in self.ctx.rooms.sizes().items()}
+        out.update({f"count.staging.{k}": v for k, v in asdict(self.ctx.rooms.counters).items()})
+        return out

@@ -1,0 +1,181 @@
+"""SGLang's per-room tables, through one small facade.
+
+SGLang's ``CommonKVManager`` owns the status table the scheduler polls, the failure
+records, the destinations its common code reads (``transfer_infos``), the count of
+transfers in flight that holds back Success and the abort ACK (``_staging_outstanding``,
+private), and the decode's cached routes to prefill ranks. Our threads reach them only
+through this class, so what we depend on in SGLang's internals is listed here and nowhere
+else (docs/sglang-contract-audit.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import AckTarget, CommonKVReceiver
+from sglang.srt.utils.network import NetworkAddress
+
+from sgl_nixl_plugin.protocol.prefill_rooms import TransferInfo
+
+Endpoint = tuple[str, int]
+
+#: SGLang's per-room tables on the manager: every one returns to empty once all rooms ended.
+SGLANG_ROOM_TABLES = (
+    "request_status",
+    "failure_records",
+    "transfer_infos",
+    "req_to_decode_prefix_len",
+    "_staging_outstanding",
+    "_deferred_ack_targets",
+    "required_prefill_response_num_table",
+    "prefill_response_tracker",
+    "_deferred_abort_ack_tracker",
+)
+
+
+def sglang_table_sizes(mgr: Any) -> dict[str, int]:
+    """Sizes of SGLang's per-room tables on ``mgr`` (ours or SGLang's in-tree manager)."""
+    out = {
+        n: len(getattr(mgr, n))
+        for n in SGLANG_ROOM_TABLES
+        if isinstance(getattr(mgr, n, None), dict)
+    }
+    tracker = getattr(mgr, "addr_to_rooms_tracker", None)
+    if tracker is not None:
+        out["addr_to_rooms_tracker"] = sum(len(v) for v in tracker.values())
+    return out
+
+
+_ENDED = (None, KVPoll.Success, KVPoll.Failed)
+
+
+class SGLangRooms:
+    def __init__(self, mgr: Any) -> None:
+        self._m = mgr
+
+    # -- both sides ---------------------------------------------------------------------
+    def exists(self, room: int) -> bool:
+        return room in self._m.request_status
+
+    def is_open(self, room: int) -> bool:
+        """The room exists and has not ended (neither Success nor Failed)."""
+        return self._m.request_status.get(room) not in _ENDED
+
+    def is_failed_or_gone(self, room: int) -> bool:
+        return self._m.request_status.get(room) in (None, KVPoll.Failed)
+
+    def is_pending(self, room: int) -> bool:
+        """Waiting for data: its prefill ranks owe this decode something."""
+        return self._m.request_status.get(room) in (KVPoll.WaitingForInput, KVPoll.Transferring)
+
+    def fail(self, room: int, reason: str) -> bool:
+        """Fail an open room here only (no message to the peer); whether it was open."""
+        if not self.is_open(room):
+            return False
+        self._m.record_failure(room, reason)
+        self._m.update_status(room, KVPoll.Failed)
+        return True
+
+    def fail_unless_done(self, room: int, reason: str) -> None:
+        """Fail an existing room that has not succeeded (an abort that beat the sender)."""
+        if room in self._m.request_status and self._m.request_status[room] != KVPoll.Success:
+            self._m.record_failure(room, reason)
+            self._m.update_status(room, KVPoll.Failed)
+
+    # -- prefill --------------------------------------------------------------------------
+    def conclude_failure(self, room: int, reason: str) -> None:
+        """Fail the room and tell its decode ranks (SGLang's status message)."""
+        self._m.conclude_failure(bootstrap_room=room, failure_reason=reason)
+
+    def conclude_success(self, room: int) -> None:
+        self._m.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
+
+    def mark_ready(self, room: int) -> None:
+        """Every decode destination arrived: SGLang's sender may start sending."""
+        self._m.update_status(room, KVPoll.WaitingForInput)
+
+    def destinations(self, room: int) -> dict[str, TransferInfo]:
+        return self._m.transfer_infos.get(room) or {}
+
+    def add_destination(self, info: TransferInfo) -> int | None:
+        """File a decode rank's destination; how many the room has now, or None if this
+        agent already gave one (a duplicate)."""
+        infos = self._m.transfer_infos.setdefault(info.room, {})
+        if info.agent in infos:
+            return None
+        infos[info.agent] = info
+        return len(infos)
+
+    def rooms_with_destinations(self) -> list[tuple[int, dict[str, TransferInfo]]]:
+        return list(self._m.transfer_infos.items())
+
+    def set_decode_prefix_len(self, room: int, n: int) -> None:
+        self._m.req_to_decode_prefix_len[room] = n
+
+    def begin_transfer(self, room: int, n: int = 1) -> None:
+        """``n`` more WRITEs (or submissions) of ``room`` in flight: Success and a
+        deferred abort ACK wait for them (SGLang's ``_staging_outstanding``)."""
+        self._m._staging_outstanding[room] += n
+
+    def end_transfer(self, room: int) -> None:
+        """One of them settled (either way); ACK a drained abort."""
+        table = self._m._staging_outstanding
+        left = table.get(room, 0) - 1
+        if left > 0:
+            table[room] = left
+            return
+        table.pop(room, None)
+        self._m._maybe_ack_drained_abort(room)
+
+    def ack_abort_when_drained(self, room: int, ip: str, port: int, generation: int) -> None:
+        self._m.register_deferred_ack_target(room, AckTarget(ip, port, generation))
+        self._m._maybe_ack_drained_abort(room)
+
+    def check_aux_count(self, agent: str, count: int) -> None:
+        self._m.check_peer_aux_buffer_count(agent, count)
+
+    # -- decode ---------------------------------------------------------------------------
+    def apply_status(self, room: int, status: int, prefill_rank: int, reason: str) -> None:
+        self._m.apply_prefill_status(
+            bootstrap_room=room,
+            status=status,
+            prefill_rank=prefill_rank,
+            failure_reason=reason or None,
+        )
+
+    def note_abort_ack(self, room: int, prefill_rank: int, generation: int | None) -> None:
+        if self._m.enable_deferred_decode_kv_release and generation is not None:
+            self._m.note_abort_ack(room, prefill_rank, generation)
+
+    def abort_acks_pending(self) -> bool:
+        return bool(self._m._deferred_abort_ack_tracker)
+
+    def senders_of(self, room: int) -> int:
+        """How many prefill ranks answer for ``room`` (SGLang records it before asking)."""
+        return int(self._m.required_prefill_response_num_table.get(room, 1) or 1)
+
+    def cached_prefill_endpoints(self) -> set[Endpoint]:
+        with self._m.connection_lock:
+            pools = list(self._m.connection_pool.values())
+        return {(i["rank_ip"], int(i["rank_port"])) for infos in pools for i in infos}
+
+    def forget_prefill_endpoint(self, endpoint: Endpoint) -> None:
+        """Drop cached routes to ``endpoint`` so the next request asks the bootstrap again."""
+        with self._m.connection_lock:
+            for key, infos in list(self._m.connection_pool.items()):
+                if any((i.get("rank_ip"), int(i.get("rank_port", -1))) == endpoint for i in infos):
+                    del self._m.connection_pool[key]
+        CommonKVReceiver.disconnect_endpoint(NetworkAddress(*endpoint).to_tcp())
+
+
+def receiver_socket(endpoint: Endpoint) -> tuple[Any, Any]:
+    """The decode's socket (and its lock) to a prefill rank: the one that carries its
+    registrations and transfer requests, so an abort never overtakes the request it cancels."""
+    na = NetworkAddress(endpoint[0], int(endpoint[1]))
+    return CommonKVReceiver._connect(na.to_tcp(), is_ipv6=na.is_ipv6)
+
+
+def tcp(endpoint: Endpoint) -> tuple[str, bool]:
+    na = NetworkAddress(endpoint[0], int(endpoint[1]))
+    return na.to_tcp(), na.is_ipv6

@@ -1,0 +1,331 @@
+"""A decode rank's rooms: one ``DecodeRoom`` record each, and the slot table they share.
+
+The record holds what this side knows about a room from SGLang's receiver ``init`` (the
+prefill ranks that serve it) to its ``_clear``: where its transfer requests go, its
+destination pages, the staging slots it holds (in the ``SlotTable``), its place in the
+grant order, and cached device copies of its page numbers. ``close`` is the only way out.
+
+Slot policy (why no room waits for another forever):
+
+- A room's slots are shared by its senders (``slots_per_sender``); a sender that finds none
+  free waits in one queue, served oldest *room* first (the order this rank asked prefills
+  for its rooms), which every decode TP rank shares.
+- A sender's slots return as soon as it is done with the room (its Success applied),
+  between its chunks (``SlotReturn``), or when a waiting sender makes this rank recall the
+  idle slots of rooms that hold some without a piece in them (``SlotRecall``).
+- A failed room's slots are quarantined, not freed: a late WRITE may still land.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sgl_nixl_plugin.protocol.slot_table import Endpoint, SlotState, SlotTable
+
+#: Receiver slots one room may hold: pieces land in one while earlier ones are scattered and
+#: their credit travels back (two would leave the sender waiting for that round trip).
+SLOTS_PER_ROOM = 4
+
+
+def slots_per_sender(senders: int) -> int:
+    """A room's slots split among the prefill ranks that send it (TP mismatch: several);
+    each keeps at least one, which still moves its bytes one piece at a time."""
+    return max(1, SLOTS_PER_ROOM // max(1, senders))
+
+
+class DecodePhase(enum.Enum):
+    CONNECTING = "connecting"  # the prefill ranks are known; no transfer request sent yet
+    RECEIVING = "receiving"  # transfer requests sent: data and statuses are due
+    CLOSED = "closed"  # SGLang cleared the receiver; the record has left the table
+
+
+@dataclass(eq=False)
+class DecodeRoom:
+    room: int
+    endpoints: set[Endpoint]
+    phase: DecodePhase = DecodePhase.CONNECTING
+    targets: deque[Endpoint] = field(default_factory=deque)  # while requests go out, in order
+    pages: np.ndarray | None = None  # destination pages of a staged room
+    senders: int = 1
+    order: int = -1  # grant order (staged rooms)
+    staged: bool = False  # it held slots: its statuses queue behind its scatters
+    recalled: bool = False  # a SlotRecall for it is out and not yet answered
+    units: dict[tuple[int, int, int], Any] = field(default_factory=dict)
+
+
+@dataclass
+class SlotCounters:
+    """Events, not tables (they need not return to zero): for metrics and tests."""
+
+    asks: int = 0  # senders that found no free slot
+    late_grants: int = 0  # slots granted to waiting senders
+    returned: int = 0  # slots given back mid-room (SlotReturn)
+    recalls: int = 0  # SlotRecalls sent
+    freed_early: int = 0  # slots freed at their sender's Success
+    prepared: int = 0  # rooms whose page numbers were uploaded before their first piece
+    late_uploads: int = 0  # chunks whose unit numbers had to be uploaded at their first piece
+
+
+Grant = tuple[Endpoint, int, int]  # (sender, room, slot)
+Recall = tuple[Endpoint, int]  # (sender, room)
+
+
+class DecodeRooms:
+    """Every room of one decode rank; thread-safe (one lock for rooms and slots)."""
+
+    def __init__(
+        self,
+        num_slots: int = 0,
+        quarantine_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.slots = SlotTable(num_slots, clock)
+        self.quarantine_s = quarantine_s
+        self.counters = SlotCounters()
+        self._rooms: dict[int, DecodeRoom] = {}
+        self._waiting: deque[tuple[int, Endpoint]] = deque()  # senders without a slot
+        self._next_order = 0
+        self.lock = threading.RLock()
+
+    # -- lifecycle --------------------------------------------------------------------
+    def open(self, room: int, endpoints: set[Endpoint]) -> DecodeRoom:
+        """The receiver learnt which prefill ranks serve ``room`` (a repeat replaces them)."""
+        with self.lock:
+            rec = self._rooms.get(room)
+            if rec is None:
+                rec = self._rooms[room] = DecodeRoom(room, set(endpoints))
+            else:
+                rec.endpoints = set(endpoints)
+            return rec
+
+    def get(self, room: int) -> DecodeRoom | None:
+        return self._rooms.get(room)
+
+    def __contains__(self, room: int) -> bool:
+        return room in self._rooms
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+    def close(self, room: int, ok: bool) -> list[Grant]:
+        """SGLang cleared the room: its record leaves, its slots return (quarantined after
+        a failure), its senders stop waiting; returns the grants this frees for others."""
+        with self.lock:
+            rec = self._rooms.pop(room, None)
+            if rec is None:
+                return []
+            rec.phase = DecodePhase.CLOSED
+            self.slots.release_room(room, failed=not ok, hold_s=self.quarantine_s)
+            if any(r == room for r, _ in self._waiting):
+                self._waiting = deque(w for w in self._waiting if w[0] != room)
+            return self._serve_locked()
+
+    # -- transfer requests ------------------------------------------------------------
+    def start_requests(self, room: int, targets: list[Endpoint]) -> None:
+        """SGLang is about to send one request per prefill rank, in this order."""
+        with self.lock:
+            rec = self._rooms.get(room) or self.open(room, set(targets))
+            rec.targets = deque(targets)
+
+    def next_target(self, room: int) -> Endpoint | None:
+        """The prefill rank the request being built goes to."""
+        with self.lock:
+            rec = self._rooms.get(room)
+            return rec.targets.popleft() if rec is not None and rec.targets else None
+
+    def end_requests(self, room: int) -> None:
+        with self.lock:
+            rec = self._rooms.get(room)
+            if rec is not None:
+                rec.targets.clear()
+                rec.phase = DecodePhase.RECEIVING
+
+    def endpoints(self, room: int) -> set[Endpoint]:
+        rec = self._rooms.get(room)
+        return set(rec.endpoints) if rec is not None else set()
+
+    def rooms_served_by(self, endpoint: Endpoint) -> list[int]:
+        with self.lock:
+            return [r for r, rec in self._rooms.items() if endpoint in rec.endpoints]
+
+    def endpoints_of(self, rooms_pending: Callable[[int], bool]) -> set[Endpoint]:
+        """Prefill ranks that serve a room for which ``rooms_pending(room)`` holds."""
+        with self.lock:
+            recs = list(self._rooms.values())
+        out: set[Endpoint] = set()
+        for rec in recs:
+            if rooms_pending(rec.room):
+                out |= rec.endpoints
+        return out
+
+    # -- staging slots ----------------------------------------------------------------
+    def grant(
+        self, room: int, pages: np.ndarray, sender: Endpoint | None, senders: int = 1
+    ) -> tuple[list[int], bool]:
+        """Slots for one sender of a staged ``room`` at its transfer request, and whether
+        its page numbers are new (to be uploaded now). None while others wait: the sender
+        then asks and is served in room order."""
+        with self.lock:
+            rec = self._rooms.get(room) or self.open(room, {sender} if sender else set())
+            fresh = rec.pages is None
+            rec.pages = np.array(pages, dtype=np.int64)
+            rec.senders = max(1, int(senders))
+            rec.staged = True
+            if rec.order < 0:
+                rec.order, self._next_order = self._next_order, self._next_order + 1
+            n = slots_per_sender(rec.senders)
+            slots = self.slots.grant(room, sender, n) if not self._waiting else []
+            return slots, fresh
+
+    def ask(self, room: int, sender: Endpoint) -> tuple[bool, list[Grant], list[Recall]]:
+        """``sender`` of ``room`` found no slot: queue it (once). False if it may not ask
+        (not a staged room of ours, or not one of its prefill ranks)."""
+        with self.lock:
+            rec = self._rooms.get(room)
+            if rec is None or rec.pages is None or sender not in rec.endpoints:
+                return False, [], []
+            if (room, sender) not in self._waiting:
+                self._waiting.append((room, sender))
+                self.counters.asks += 1
+            return True, self._serve_locked(), self._recall_idle_locked()
+
+    def take_back(
+        self, room: int, sender: Endpoint, slots: list[int]
+    ) -> tuple[list[int], list[Grant]]:
+        """``sender`` returns ``slots`` of ``room`` (SlotReturn): (refused slots, grants)."""
+        with self.lock:
+            rec = self._rooms.get(room)
+            if rec is None or sender not in rec.endpoints:
+                return sorted(slots) or [-1], []
+            bad = self.slots.give_back(room, sender, slots)
+            if bad:
+                return bad, []
+            self.counters.returned += len(slots)
+            if not self.slots.of_room(room):
+                rec.recalled = False
+            return [], self._serve_locked()
+
+    def sender_done(self, room: int, sender: Endpoint) -> list[Grant]:
+        """``sender``'s Success for ``room`` was applied behind its scatters: it writes no
+        more there, so its idle slots go to waiting rooms now (freeing them only at the
+        room's end would let rooms with several senders wait on each other)."""
+        with self.lock:
+            if room not in self._rooms:
+                return []
+            freed = self.slots.release_sender(room, sender)
+            self.counters.freed_early += freed
+            if (room, sender) in self._waiting:
+                self._waiting = deque(w for w in self._waiting if w != (room, sender))
+            return self._serve_locked() if freed else []
+
+    def serve(self) -> tuple[list[Grant], list[Recall]]:
+        """Grants for waiting senders (quarantined slots come back by time), and recalls
+        of idle slots while senders still wait."""
+        with self.lock:
+            return self._serve_locked(), self._recall_idle_locked()
+
+    def _serve_locked(self) -> list[Grant]:
+        grants: list[Grant] = []
+        while self._waiting and self.slots.free:
+            i = min(
+                range(len(self._waiting)),
+                key=lambda k: (
+                    self._rooms[r].order if (r := self._waiting[k][0]) in self._rooms else -1
+                ),
+            )
+            room, sender = self._waiting[i]
+            del self._waiting[i]
+            rec = self._rooms.get(room)
+            if rec is None:
+                continue
+            slots = self.slots.grant(room, sender, slots_per_sender(rec.senders))
+            grants += [(sender, room, s) for s in slots]
+            self.counters.late_grants += len(slots)
+        return grants
+
+    def _recall_idle_locked(self) -> list[Recall]:
+        """Senders wait: ask each room that holds slots with no piece in them (granted
+        before its prefill was ready, or between chunks) to give them back, once until it
+        does or ends. A sender that waits itself has nothing to give."""
+        if not self._waiting:
+            return []
+        waiting = set(self._waiting)
+        out: list[Recall] = []
+        for room, rec in self._rooms.items():
+            held = self.slots.of_room(room)
+            if not held or rec.recalled or self.slots.busy_in(room):
+                continue
+            holders = {self.slots.slots[i].sender for i in held}
+            holders = rec.endpoints if None in holders else holders & rec.endpoints
+            eps = sorted(e for e in holders if e is not None and (room, e) not in waiting)
+            if eps:
+                rec.recalled = True
+                out += [(e, room) for e in eps]
+        self.counters.recalls += len(out)
+        return out
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def is_staged(self, room: int) -> bool:
+        rec = self._rooms.get(room)
+        return rec is not None and rec.staged
+
+    # -- pieces -----------------------------------------------------------------------
+    def piece_target(self, room: int, slot: int) -> tuple[str, np.ndarray | None]:
+        """Where a piece announced in ``slot`` goes: (problem or '', destination pages)."""
+        with self.lock:
+            rec = self._rooms.get(room)
+            s = self.slots.slots[slot] if 0 <= slot < len(self.slots) else None
+            if rec is None or rec.pages is None or s is None or s.room != room:
+                return f"slot {slot} was not granted to this room", None
+            if s.state is not SlotState.HELD:
+                return f"slot {slot} still holds an unscattered piece", None
+            return "", rec.pages
+
+    def occupy(self, room: int, slot: int) -> str:
+        """A validated piece is being scattered from ``slot`` (HELD -> BUSY)."""
+        with self.lock:
+            return self.slots.occupy(room, slot)
+
+    def scattered(self, slot: int) -> None:
+        with self.lock:
+            self.slots.scattered(slot)
+
+    def cached_units(self, room: int, key: tuple[int, int, int]) -> Any:
+        rec = self._rooms.get(room)
+        return rec.units.get(key) if rec is not None else None
+
+    def cache_units(self, room: int, key: tuple[int, int, int], units: Any) -> bool:
+        """Keep a device copy of unit numbers, unless the room ended meanwhile."""
+        with self.lock:
+            rec = self._rooms.get(room)
+            if rec is None:
+                return False
+            rec.units[key] = units
+            return True
+
+    def pages_of(self, room: int) -> np.ndarray | None:
+        rec = self._rooms.get(room)
+        return rec.pages if rec is not None else None
+
+    # -- drain checks -----------------------------------------------------------------
+    def sizes(self) -> dict[str, int]:
+        """What must return to zero once every room ended (bench and tests)."""
+        with self.lock:
+            held = len(self.slots) - self.slots.count(SlotState.FREE)
+            return {
+                "rooms": len(self._rooms),
+                "waiting": len(self._waiting),
+                "slots_held": held - self.slots.count(SlotState.QUARANTINED),
+                "slots_busy": self.slots.count(SlotState.BUSY),
+            }

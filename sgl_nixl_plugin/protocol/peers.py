@@ -1,0 +1,39 @@
+"""The decode ranks a prefill rank has accepted, and those it refused."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from sgl_nixl_plugin.engine.engine import PeerLink
+from sgl_nixl_plugin.engine.staging import RemoteStaging
+from sgl_nixl_plugin.wire.messages import PeerRegistration
+
+
+@dataclass(eq=False)  # identity: holds arrays and live state
+class DecodePeer:
+    """A registered decode rank: its NIXL link and what it told us."""
+
+    agent: str
+    link: PeerLink
+    reg: PeerRegistration
+    endpoint: tuple[str, int]
+    last_seen: float = field(default_factory=time.monotonic)
+    staging: RemoteStaging | None = None
+
+
+class DecodePeers:
+    """Accepted decode ranks by agent name, and the reason each refused one was refused."""
+
+    def __init__(self) -> None:
+        self.accepted: dict[str, DecodePeer] = {}
+        self.refused: dict[str, str] = {}
+        self.lock = threading.Lock()
+
+    def get(self, agent: str) -> DecodePeer | None:
+        return self.accepted.get(agent)
+
+    def lookup(self, agent: str) -> tuple[DecodePeer | None, str | None]:
+        with self.lock:
+            return self.accepted.get(agent), self.refused.get(agent)

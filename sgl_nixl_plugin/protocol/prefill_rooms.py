@@ -1,0 +1,202 @@
+"""A prefill rank's rooms: one ``PrefillRoom`` record each, from the first decode
+destination to the end of its last WRITE.
+
+Threads: the control thread opens a record and adds destinations' slot credits; the
+transfer worker that owns the room (room id modulo workers) claims it at its first chunk
+and is the only one that changes its transfers; the scheduler thread releases it when
+SGLang clears the sender. The record leaves the table in ``close`` only: by the worker once
+nothing is in flight, or at ``release`` when no worker ever claimed it.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sgl_nixl_plugin.protocol.credits import SlotCredits
+
+
+class PrefillPhase(enum.Enum):
+    AWAITING = "awaiting"  # decode destinations arriving; no chunk submitted
+    SENDING = "sending"  # a worker owns it: chunks submitted, WRITEs may be in flight
+    DRAINING = "draining"  # failed or released: no new WRITE, in-flight ones settle
+    SUCCEEDED = "succeeded"  # terminal: every chunk landed, Success concluded
+    FAILED = "failed"  # terminal: failure concluded, nothing in flight
+
+
+TERMINAL = (PrefillPhase.SUCCEEDED, PrefillPhase.FAILED)
+
+
+@dataclass(eq=False)  # identity: holds arrays and live state
+class TransferInfo:
+    """One decode rank's destination for one room (SGLang's common code reads these fields
+    from its ``transfer_infos`` table: endpoint, dst_port, is_dummy, required_dst_info_num)."""
+
+    room: int
+    agent: str
+    endpoint: str
+    dst_port: int
+    dst_pages: np.ndarray
+    aux_index: int
+    state: list[np.ndarray]
+    required_dst_info_num: int
+    is_dummy: bool
+
+
+@dataclass(eq=False)
+class Chunk:
+    """What SGLang's ``send()`` hands over: source pages of one chunk of a room."""
+
+    room: int
+    pages: np.ndarray
+    index_slice: slice
+    is_last: bool
+    aux_index: int | None
+    state: list[Any] | None
+    events: tuple[Any, ...] = ()  # CUDA events the source pages wait on
+
+
+@dataclass(eq=False)
+class PrefillRoom:
+    room: int
+    phase: PrefillPhase = PrefillPhase.AWAITING
+    credits: dict[str, SlotCredits] = field(default_factory=dict)  # decode agent -> slots
+    recalls: set[str] = field(default_factory=set)  # decode agents that want slots back
+    xfers: list[Any] = field(default_factory=list)  # direct WRITEs in flight
+    jobs: list[Any] = field(default_factory=list)  # staged sends of this room's chunks
+    last_chunk_seen: bool = False
+    released: bool = False  # SGLang cleared the sender
+    reason: str = ""  # why it failed
+    started: float = field(default_factory=time.perf_counter)
+    nbytes: int = 0
+    descriptors: int = 0
+    peers: set[str] = field(default_factory=set)
+    path: str = "direct"
+
+    @property
+    def failed(self) -> bool:
+        return self.phase in (PrefillPhase.DRAINING, PrefillPhase.FAILED) and bool(self.reason)
+
+    @property
+    def stopping(self) -> bool:
+        """No new WRITE may start: failed, or the sender is gone."""
+        return self.phase in (PrefillPhase.DRAINING, *TERMINAL) or self.released
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.xfers) or any(not j.send.finished or j.send.in_flight for j in self.jobs)
+
+    def fail(self, reason: str) -> bool:
+        """Stop sending; True the first time (the caller concludes the failure once)."""
+        if self.reason or self.phase in TERMINAL:
+            return False
+        self.reason = reason or "failed"
+        self.phase = PrefillPhase.DRAINING
+        return True
+
+
+class PrefillRooms:
+    """Every live room of one prefill rank; thread-safe."""
+
+    def __init__(self) -> None:
+        self._rooms: dict[int, PrefillRoom] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+    def __contains__(self, room: int) -> bool:
+        return room in self._rooms
+
+    def get(self, room: int) -> PrefillRoom | None:
+        return self._rooms.get(room)
+
+    def open(self, room: int) -> PrefillRoom:
+        """The room's record, created at its first destination (or chunk)."""
+        with self._lock:
+            rec = self._rooms.get(room)
+            if rec is None:
+                rec = self._rooms[room] = PrefillRoom(room)
+            return rec
+
+    def claim(self, room: int) -> PrefillRoom:
+        """The owning worker takes the room at its first chunk (AWAITING -> SENDING)."""
+        with self._lock:
+            rec = self._rooms.get(room)
+            if rec is None:
+                rec = self._rooms[room] = PrefillRoom(room)
+            if rec.phase is PrefillPhase.AWAITING:
+                rec.phase = PrefillPhase.SENDING
+            return rec
+
+    def credits(self, room: int, agent: str) -> SlotCredits | None:
+        rec = self._rooms.get(room)
+        return rec.credits.get(agent) if rec is not None else None
+
+    def release(self, room: int) -> None:
+        """SGLang cleared the room's sender: close it now if no worker holds it, else let
+        its worker close it once its WRITEs settled."""
+        with self._lock:
+            rec = self._rooms.get(room)
+            if rec is None:
+                return
+            rec.released = True
+            if rec.phase is PrefillPhase.AWAITING:
+                rec.phase = PrefillPhase.FAILED if rec.reason else PrefillPhase.SUCCEEDED
+                del self._rooms[room]
+
+    def close(self, rec: PrefillRoom, phase: PrefillPhase) -> bool:
+        """The one way out: ``rec`` is terminal and leaves the table (unless a newer record
+        of the same room id replaced it). False if it was already closed."""
+        if phase not in TERMINAL:
+            raise ValueError(f"{phase} is not terminal")
+        with self._lock:
+            if rec.phase in TERMINAL:
+                return False
+            rec.phase = phase
+            rec.credits.clear()
+            rec.recalls.clear()
+            if self._rooms.get(rec.room) is rec:
+                del self._rooms[rec.room]
+            return True
+
+    def sizes(self) -> dict[str, int]:
+        with self._lock:
+            recs = list(self._rooms.values())
+        return {
+            "rooms": len(recs),
+            "rooms_busy": sum(1 for r in recs if r.busy),
+        }
+
+
+class EarlyAborts:
+    """Rooms a decode gave up before this prefill had a sender for them: remembered for
+    ``horizon_s`` (at most ``limit``) so that the sender fails at its creation."""
+
+    def __init__(self, horizon_s: float, limit: int = 100_000) -> None:
+        self.horizon_s = horizon_s
+        self.limit = limit
+        self._reasons: dict[int, tuple[str, float]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._reasons)
+
+    def note(self, room: int, reason: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            horizon = now - self.horizon_s
+            for old in [r for r, (_, t) in self._reasons.items() if t < horizon]:
+                del self._reasons[old]
+            if len(self._reasons) < self.limit:
+                self._reasons[room] = (reason, now)
+
+    def claim(self, room: int) -> str | None:
+        with self._lock:
+            hit = self._reasons.pop(room, None)
+        return hit[0] if hit else None

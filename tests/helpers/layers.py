@@ -1,0 +1,17 @@
+"""Each test folder is a layer, and a marker of the same name (``pytest -m unit``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+LAYERS = ("unit", "component", "e2e", "realserver", "upstream")
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = Path(str(item.fspath)).resolve().relative_to(TESTS).parts
+        if parts and parts[0] in LAYERS:
+            item.add_marker(getattr(pytest.mark, parts[0]))

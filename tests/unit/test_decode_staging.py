@@ -1,0 +1,100 @@
+"""The decode's piece intake, without its threads: which landed pieces it scatters."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from sgl_nixl_plugin.adapter.decode_staging import DecodeStaging, SlotMessenger
+from sgl_nixl_plugin.engine.staging import StagingBuffer
+from sgl_nixl_plugin.protocol.decode_rooms import DecodeRooms
+from sgl_nixl_plugin.wire.messages import PieceReady
+
+P5 = ("127.0.0.1", 5)
+
+
+class _Agent:
+    def register(self, regions):
+        pass
+
+
+class _Scatters:
+    def __init__(self) -> None:
+        self.launched: list[PieceReady] = []
+
+    def launch(self, m, **_):
+        self.launched.append(m)
+
+
+def _staging():
+    rooms = DecodeRooms(4)
+    buffer = StagingBuffer(_Agent(), 4096, 1024, "DRAM")
+    rejected, failed = [], []
+    st = DecodeStaging(
+        agent=_Agent(),
+        kv=SimpleNamespace(ptrs=[1 << 20], lens=[1 << 20]),
+        rooms=rooms,
+        buffer=buffer,
+        device=0,
+        messenger=SlotMessenger("decode", lambda ep, m: None),
+        apply_status=lambda m: None,
+        note_abort_ack=lambda *a: None,
+        reject=lambda reason, detail="", peer="": rejected.append((reason, detail)),
+        fail_room=lambda room, reason: failed.append((room, reason)),
+    )
+    st.scatters = _Scatters()
+    st._bases_dev = np.asarray([1 << 20], dtype=np.uint64)
+    st.rooms.cache_units(7, (0, -1, 1), None)
+    return st, rooms, rejected, failed
+
+
+def _piece(slot: int, seq: int) -> PieceReady:
+    return PieceReady(
+        room=7,
+        prefill_rank=0,
+        ip=P5[0],
+        port=P5[1],
+        slot=slot,
+        r0=0,
+        r1=1,
+        j0=0,
+        j1=1,
+        page_start=0,
+        page_count=1,
+        unit_len=64,
+        units_per_item=1,
+        dst_stride=64,
+        dst_offset=0,
+        seq=seq,
+    )
+
+
+def test_a_second_piece_for_a_slot_whose_piece_is_not_scattered_is_refused():
+    st, rooms, rejected, failed = _staging()
+    rooms.open(7, {P5})
+    slots = st.grant(7, np.arange(4), P5, 1)
+    st._units_of = lambda m, pages: np.arange(4)  # no copier: the units are not the point
+    st._launch(_piece(slots[0], 1))
+    assert len(st.scatters.launched) == 1 and not rejected
+    st._launch(_piece(slots[0], 2))  # the prefill reused the slot before its PieceDone
+    assert len(st.scatters.launched) == 1
+    assert rejected and rejected[0][0] == "bad_piece" and "unscattered" in rejected[0][1]
+    assert failed and failed[0][0] == 7
+    rooms.scattered(slots[0])  # scattered and credited: the slot takes a piece again
+    st._launch(_piece(slots[0], 3))
+    assert len(st.scatters.launched) == 2
+
+
+def test_a_piece_outside_the_room_is_refused_before_it_occupies_a_slot():
+    st, rooms, rejected, failed = _staging()
+    rooms.open(7, {P5})
+    slots = st.grant(7, np.arange(4), P5, 1)
+    bad = _piece(slots[0], 1)
+    st._launch(
+        PieceReady(**{**{f: getattr(bad, f) for f in bad.__struct_fields__}, "page_count": 9})
+    )
+    assert rejected and "beyond the room" in rejected[0][1] and not st.scatters.launched
+    assert rooms.slots.slots[slots[0]].state.value == "held"  # not left busy by a refusal
+    st._launch(_piece(5, 1))  # never granted
+    assert "not granted" in rejected[1][1]

@@ -1,0 +1,90 @@
+"""A prefill rank's room records, slot credits and early aborts, in process."""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_nixl_plugin.protocol.credits import SlotCredits
+from sgl_nixl_plugin.protocol.prefill_rooms import EarlyAborts, PrefillPhase, PrefillRooms
+
+
+class _Job:
+    def __init__(self) -> None:
+        self.send = type("S", (), {"finished": False, "in_flight": True})()
+
+
+def test_success_closes_the_record_once_nothing_is_in_flight():
+    rooms = PrefillRooms()
+    rec = rooms.open(7)
+    rec.credits["d"] = SlotCredits([0, 1])
+    assert rooms.claim(7) is rec and rec.phase is PrefillPhase.SENDING
+    rec.xfers.append(object())
+    assert rec.busy and not rec.stopping
+    rec.xfers.clear()
+    assert rooms.close(rec, PrefillPhase.SUCCEEDED)
+    assert 7 not in rooms and rec.phase is PrefillPhase.SUCCEEDED and not rec.credits
+    assert not rooms.close(rec, PrefillPhase.FAILED)  # once only
+    assert rooms.sizes() == {"rooms": 0, "rooms_busy": 0}
+
+
+def test_failure_drains_then_closes():
+    rooms = PrefillRooms()
+    rec = rooms.claim(7)
+    rec.jobs.append(_Job())
+    assert rec.fail("decode lost") and not rec.fail("again")  # concluded once
+    assert rec.phase is PrefillPhase.DRAINING and rec.stopping and rec.busy
+    rec.jobs.clear()
+    rooms.close(rec, PrefillPhase.FAILED)
+    assert len(rooms) == 0 and rec.reason == "decode lost"
+
+
+def test_release_closes_an_unclaimed_room_and_marks_a_claimed_one():
+    rooms = PrefillRooms()
+    rooms.open(1).credits["d"] = SlotCredits([3])
+    rooms.release(1)  # destinations came, no chunk ever: nothing in flight, gone now
+    assert 1 not in rooms
+    rec = rooms.claim(2)
+    rec.xfers.append(object())
+    rooms.release(2)  # a worker holds it with a WRITE in flight: it closes it when drained
+    assert 2 in rooms and rec.released and rec.stopping
+    rooms.release(99)  # unknown: nothing happens
+
+
+def test_a_stale_closer_cannot_drop_a_newer_record_of_the_same_room_id():
+    rooms = PrefillRooms()
+    old = rooms.claim(5)
+    assert rooms.close(old, PrefillPhase.FAILED)
+    newer = rooms.open(5)  # the room id comes back with a new request
+    assert not rooms.close(old, PrefillPhase.FAILED)
+    assert rooms.get(5) is newer and newer.phase is PrefillPhase.AWAITING
+
+
+def test_close_refuses_a_phase_that_is_not_terminal():
+    rooms = PrefillRooms()
+    with pytest.raises(ValueError):
+        rooms.close(rooms.open(1), PrefillPhase.SENDING)
+
+
+def test_slot_credits_give_everything_back_only_when_every_slot_is_free():
+    credits = SlotCredits([3, 4])
+    slot = credits.popleft()  # a piece goes into slot 3
+    seq = credits.issue(slot)
+    assert seq == 1 and credits.take_all() == []  # slot 3 still holds an unscattered piece
+    assert "not the one" in credits.give_back(3, seq + 1)  # a replayed credit of another use
+    assert credits.give_back(3, seq) == ""
+    assert "already free" in credits.give_back(3, seq)
+    assert credits.grant(5) == "" and credits.grant(5) == "slot 5 was already granted"
+    assert credits.take_all() == [3, 4, 5]
+    assert not credits and not credits.granted and credits.take_all() == []
+    assert "never granted" in credits.give_back(3, seq)  # a late credit
+
+
+def test_early_aborts_are_claimed_once_and_forgotten_after_the_horizon():
+    early = EarlyAborts(horizon_s=10.0, limit=2)
+    early.note(1, "refused", now=0.0)
+    early.note(2, "gone", now=1.0)
+    early.note(3, "over the limit", now=2.0)
+    assert len(early) == 2 and early.claim(3) is None
+    assert early.claim(1) == "refused" and early.claim(1) is None
+    early.note(4, "late", now=20.0)  # 2 is past the horizon now
+    assert early.claim(2) is None and early.claim(4) == "late"

@@ -1,0 +1,256 @@
+"""A prefill room from first destination to its end, driven in process: the control
+thread's and transfer worker's logic called directly, over a fake engine and a fake of
+SGLang's tables (no SGLang, no sockets, no threads). Every terminal path must drain the
+room's record, the worker's active set and the in-flight count SGLang holds Success on."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sgl_nixl_plugin.adapter.context import Identity, PrefillContext
+from sgl_nixl_plugin.adapter.prefill_control import PrefillControl
+from sgl_nixl_plugin.adapter.transfer_worker import TransferWorker
+from sgl_nixl_plugin.engine.agent import Xfer
+from sgl_nixl_plugin.protocol.peers import DecodePeer
+from sgl_nixl_plugin.protocol.prefill_rooms import Chunk, TransferInfo
+from sgl_nixl_plugin.settings import Settings
+from sgl_nixl_plugin.wire.codec import Codec
+from sgl_nixl_plugin.wire.messages import Abort
+
+ROOM, AGENT = 41, "decode-0"
+OPEN, FAILED, SUCCESS = 2, 0, 4
+
+
+class FakeSGLang:
+    """The part of SGLang's manager ``SGLangRooms`` reaches, as plain tables."""
+
+    def __init__(self) -> None:
+        self.status: dict[int, int] = {}
+        self.infos: dict[int, dict[str, TransferInfo]] = {}
+        self.outstanding: dict[int, int] = {}
+        self.concluded: list[tuple[int, str]] = []
+        self.acked: list[int] = []
+        self.ack_targets: set[int] = set()
+
+    def exists(self, room: int) -> bool:
+        return room in self.status
+
+    def is_open(self, room: int) -> bool:
+        return self.status.get(room) not in (None, FAILED, SUCCESS)
+
+    def is_failed_or_gone(self, room: int) -> bool:
+        return self.status.get(room) in (None, FAILED)
+
+    def fail(self, room: int, reason: str) -> bool:
+        if not self.is_open(room):
+            return False
+        self.status[room] = FAILED
+        return True
+
+    def fail_unless_done(self, room: int, reason: str) -> None:
+        if room in self.status and self.status[room] != SUCCESS:
+            self.status[room] = FAILED
+
+    def conclude_failure(self, room: int, reason: str) -> None:
+        self.concluded.append((room, "failed: " + reason))
+        if room in self.status:
+            self.status[room] = FAILED
+
+    def conclude_success(self, room: int) -> None:
+        self.concluded.append((room, "success"))
+        self.status[room] = SUCCESS
+
+    def destinations(self, room: int) -> dict[str, TransferInfo]:
+        return self.infos.get(room) or {}
+
+    def add_destination(self, info: TransferInfo) -> int | None:
+        infos = self.infos.setdefault(info.room, {})
+        if info.agent in infos:
+            return None
+        infos[info.agent] = info
+        return len(infos)
+
+    def rooms_with_destinations(self) -> list:
+        return list(self.infos.items())
+
+    def begin_transfer(self, room: int, n: int = 1) -> None:
+        self.outstanding[room] = self.outstanding.get(room, 0) + n
+
+    def end_transfer(self, room: int) -> None:
+        self.outstanding[room] -= 1
+        if not self.outstanding[room]:
+            del self.outstanding[room]
+            if room in self.ack_targets:
+                self.acked.append(room)
+
+    def ack_abort_when_drained(self, room: int, ip: str, port: int, generation: int) -> None:
+        self.ack_targets.add(room)
+        if room not in self.outstanding:
+            self.acked.append(room)
+
+    def mark_ready(self, room: int) -> None:
+        self.status[room] = OPEN
+
+    def set_decode_prefix_len(self, room: int, n: int) -> None:
+        pass
+
+    def clear(self, room: int) -> None:
+        """SGLang's sender.clear(): its tables forget the room."""
+        self.status.pop(room, None)
+        self.infos.pop(room, None)
+
+
+class FakeEngine:
+    """WRITEs that stay in flight until the test settles them."""
+
+    def __init__(self) -> None:
+        self.posted: list[Xfer] = []
+        self.memory = SimpleNamespace(kv=SimpleNamespace(ptrs=[0], lens=[1 << 20]))
+        self.agent = SimpleNamespace(telemetry=lambda x: None, abandon=lambda x: None)
+
+    def write(self, link: Any, group: str, src: np.ndarray, dst: np.ndarray) -> Xfer:
+        x = Xfer(handle=None, peer=link.name, nbytes=64 * len(src), descriptors=1)
+        self.posted.append(x)
+        return x
+
+    def poll(self, x: Xfer) -> str:
+        return x.state
+
+    def release(self, x: Xfer) -> bool:
+        return True
+
+
+class Transport:
+    def __init__(self) -> None:
+        self.sent: list[tuple[tuple[str, int], Any]] = []
+
+    def send(self, ep, msg, arrays=()) -> bool:
+        self.sent.append((ep, msg))
+        return True
+
+
+@pytest.fixture
+def side():
+    sg, engine = FakeSGLang(), FakeEngine()
+    ctx = PrefillContext(
+        me=Identity("prefill-0", "127.0.0.1", 7000, 0),
+        settings=Settings(),
+        codec=Codec(),
+        transport=Transport(),
+        engine=engine,
+        sglang=sg,
+        zmq_ctx=None,
+        server_socket=None,
+        mem_kind="DRAM",
+    )
+    link = SimpleNamespace(name=AGENT, groups={})
+    ctx.peers.accepted[AGENT] = DecodePeer(AGENT, link, None, ("127.0.0.1", 7001))
+    worker = TransferWorker(ctx, 0)
+    return SimpleNamespace(ctx=ctx, sg=sg, engine=engine, worker=worker)
+
+
+def _destination(side, room: int = ROOM, pages: int = 4) -> None:
+    info = TransferInfo(room, AGENT, "127.0.0.1", 7001, np.arange(pages), -1, [], 1, False)
+    side.sg.add_destination(info)
+    side.ctx.rooms.open(room)
+    side.sg.mark_ready(room)
+
+
+def _chunk(room: int = ROOM, start: int = 0, n: int = 4, last: bool = True) -> Chunk:
+    return Chunk(room, np.arange(start, start + n), slice(start, start + n), last, None, None)
+
+
+def _drained(side, room: int = ROOM) -> None:
+    assert room not in side.ctx.rooms and not side.worker.active
+    assert room not in side.sg.outstanding, side.sg.outstanding
+
+
+def test_success_closes_the_record_after_the_last_write(side):
+    _destination(side)
+    side.worker._submit(_chunk(n=2, last=False))
+    side.worker._submit(_chunk(start=2, n=2, last=True))
+    assert side.sg.outstanding[ROOM] == 2 and ROOM in side.ctx.rooms
+    side.engine.posted[0].state = "DONE"
+    side.worker._poll()
+    assert side.sg.concluded == [] and ROOM in side.ctx.rooms  # one WRITE still in flight
+    side.engine.posted[1].state = "DONE"
+    side.worker._poll()
+    assert side.sg.concluded == [(ROOM, "success")]
+    _drained(side)
+
+
+def test_a_failed_write_fails_the_room_once_and_drains(side):
+    _destination(side)
+    side.worker._submit(_chunk(n=2, last=False))
+    side.worker._submit(_chunk(start=2, n=2, last=True))
+    side.engine.posted[0].state, side.engine.posted[0].error = "ERR", "remote hung up"
+    side.worker._poll()
+    assert side.sg.concluded == [(ROOM, "failed: remote hung up")]
+    assert ROOM in side.ctx.rooms  # draining: the other WRITE is still in flight
+    side.engine.posted[1].state = "DONE"
+    side.worker._poll()
+    assert side.sg.concluded == [(ROOM, "failed: remote hung up")]  # still once, no Success
+    _drained(side)
+
+
+def test_an_abort_mid_transfer_acks_only_after_the_write_drained(side):
+    _destination(side)
+    side.worker._submit(_chunk())
+    control = PrefillControl(side.ctx, wake=lambda room: None, recall=lambda room: None)
+    control.on_abort(Abort(ROOM, "127.0.0.1", 7001, generation=3))
+    assert side.sg.status[ROOM] == FAILED and side.sg.acked == []  # the WRITE may still land
+    side.worker._poll()
+    assert ROOM in side.ctx.rooms and side.sg.acked == []
+    side.engine.posted[0].state = "DONE"
+    side.worker._poll()
+    assert side.sg.acked == [ROOM] and not [c for c in side.sg.concluded if c[1] == "success"]
+    _drained(side)
+
+
+def test_a_lost_decode_fails_the_next_chunk_with_its_name(side):
+    _destination(side)
+    side.worker._submit(_chunk(n=2, last=False))
+    side.engine.posted[0].state = "DONE"
+    side.worker._poll()
+    del side.ctx.peers.accepted[AGENT]  # the control thread dropped the peer
+    side.worker._submit(_chunk(start=2, n=2, last=True))
+    assert side.sg.concluded == [(ROOM, f"failed: decode {AGENT} is no longer connected")]
+    _drained(side)
+
+
+def test_a_sender_cleared_between_chunks_is_closed_by_its_worker(side):
+    _destination(side)
+    side.worker._submit(_chunk(n=2, last=False))
+    side.engine.posted[0].state = "DONE"
+    side.worker._poll()
+    assert ROOM in side.ctx.rooms and ROOM in side.worker.active
+    side.sg.clear(ROOM)  # SGLang gave up on the request and cleared its sender
+    side.ctx.rooms.release(ROOM)
+    side.worker._poll()
+    assert side.sg.concluded == []
+    _drained(side)
+
+
+def test_a_room_whose_sender_never_sent_is_closed_at_release(side):
+    _destination(side)
+    side.sg.clear(ROOM)
+    side.ctx.rooms.release(ROOM)
+    _drained(side)
+
+
+def test_a_chunk_for_a_room_with_no_destination_fails_it(side):
+    side.sg.status[ROOM] = OPEN
+    side.worker._submit(_chunk())
+    assert side.sg.concluded == [(ROOM, "failed: no decode destination was received for this room")]
+    _drained(side)
+
+
+def test_an_abort_before_the_sender_exists_is_remembered_for_it(side):
+    control = PrefillControl(side.ctx, wake=lambda room: None, recall=lambda room: None)
+    control.on_abort(Abort(99, "127.0.0.1", 7001, None, "prefill refused this decode"))
+    assert side.ctx.early.claim(99) == "decode 127.0.0.1:7001: prefill refused this decode"
+    assert side.ctx.early.claim(99) is None
