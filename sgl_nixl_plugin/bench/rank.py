@@ -430,6 +430,8 @@ def run_decode(
     cls = env["classes"]
     pools = Pools(spec)
     is_mla = spec.workload.shape.mla
+    started = time.perf_counter()  # time to ready: from here to the first request sent
+    ready_s: float | None = None
     mgr = cls["manager"](
         pools.kv_args(cls["kvargs"], spec),
         harness.disaggregation_mode("decode"),
@@ -471,6 +473,8 @@ def run_decode(
             receiver.init(0)
             state = [np.array([slot], dtype=np.int32)] if r.with_state else None
             t0 = time.perf_counter()
+            if ready_s is None:
+                ready_s = t0 - started
             receiver.send_metadata(pages, slot, state)
             active[r.room] = {
                 "req": r,
@@ -534,7 +538,12 @@ def run_decode(
             del active[room]
         time.sleep(0.0005)
     timed_out = [r.room for r in pending] + list(active)
-    result = {"results": results, "timed_out": timed_out, "tables": _tables(mgr)}
+    result = {
+        "results": results,
+        "timed_out": timed_out,
+        "tables": _tables(mgr),
+        "ready_s": ready_s,
+    }
     if before_close is not None:
         before_close(result)
     close = getattr(mgr, "close", None)

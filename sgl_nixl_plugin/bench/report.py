@@ -24,6 +24,12 @@ def summarize(result: SessionResult) -> dict[str, Any]:
     expected = result.config.workload.requests
     bad = sum(r.get("bad_pages", 0) + r.get("bad_aux", 0) + r.get("bad_state", 0) for r in ok)
     reasons = sorted({str(r.get("reason")) for r in rooms.values() if not r["ok"]})
+    # the first request of a fresh pair, apart from the steady state (every later request)
+    first = min(ok, key=lambda r: r["wall0"]) if ok else None
+    steady = np.array([r["latency_s"] for r in ok if r is not first])
+    steady_p50 = float(np.percentile(steady, 50) * 1e3) if len(steady) else 0.0
+    first_ms = first["latency_s"] * 1e3 if first is not None else 0.0
+    ready = [r.get("ready_s") for r in result.decode.values() if r.get("ready_s") is not None]
     return {
         "backend": result.config.backend,
         "requests": expected,
@@ -37,6 +43,10 @@ def summarize(result: SessionResult) -> dict[str, Any]:
         else 0.0,
         "latency_p50_ms": float(np.percentile(lat, 50) * 1e3) if len(lat) else 0.0,
         "latency_p99_ms": float(np.percentile(lat, 99) * 1e3) if len(lat) else 0.0,
+        "first_request_ms": first_ms,
+        "steady_p50_ms": steady_p50,
+        "first_vs_steady_p50": first_ms / steady_p50 if steady_p50 > 0 else 0.0,
+        "time_to_ready_s": max(ready) if ready else None,
         "descriptors_per_request": float(np.mean(desc)) if desc else None,
         "control_us_per_request": float(np.median(ctl)) if ctl else None,
         "path": ",".join(paths) or "-",
@@ -55,6 +65,17 @@ ROWS = [
     (
         "transfer latency p50 / p99",
         lambda s: f"{s['latency_p50_ms']:.1f} / {s['latency_p99_ms']:.1f} ms",
+    ),
+    (
+        "first request / steady p50",
+        lambda s: (
+            f"{s['first_request_ms']:.1f} / {s['steady_p50_ms']:.1f} ms "
+            f"({s['first_vs_steady_p50']:.2f}x)"
+        ),
+    ),
+    (
+        "time to ready (decode)",
+        lambda s: "-" if s["time_to_ready_s"] is None else f"{s['time_to_ready_s'] * 1e3:.0f} ms",
     ),
     (
         "descriptors per request",

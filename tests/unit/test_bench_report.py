@@ -1,0 +1,43 @@
+"""The bench's summary: the first request of a fresh pair apart from the steady state."""
+
+from __future__ import annotations
+
+from sgl_nixl_plugin.bench.report import summarize, table
+from sgl_nixl_plugin.bench.session import SessionConfig, SessionResult
+from sgl_nixl_plugin.bench.workload import PRESETS, Workload
+
+
+def _room(wall0: float, latency_ms: float) -> dict:
+    return {
+        "ok": True,
+        "latency_s": latency_ms / 1e3,
+        "wall0": wall0,
+        "wall1": wall0 + 1,
+        "bytes": 1 << 20,
+    }
+
+
+def test_the_first_request_is_reported_apart_from_the_steady_state():
+    w = Workload(shape=PRESETS["tiny"], page_size=16, requests=4)
+    rooms = {1: _room(10.0, 90.0), 2: _room(10.5, 20.0), 3: _room(11.0, 10.0), 4: _room(11.5, 30.0)}
+    decode = {(0, 0): {"results": rooms, "ready_s": 0.6}, (0, 1): {"results": {}, "ready_s": 0.8}}
+    result = SessionResult(SessionConfig(w), 3.0, {}, decode, [])
+    s = summarize(result)
+    assert s["first_request_ms"] == 90.0  # the room that started first, whatever its id
+    assert s["steady_p50_ms"] == 20.0  # p50 of the other three
+    assert s["first_vs_steady_p50"] == 4.5
+    assert s["time_to_ready_s"] == 0.8  # the slowest decode rank
+    text = table([s])
+    assert "first request / steady p50" in text and "90.0 / 20.0 ms (4.50x)" in text
+    assert "time to ready (decode)" in text and "800 ms" in text
+
+
+def test_a_session_with_one_request_has_no_steady_state():
+    w = Workload(shape=PRESETS["tiny"], page_size=16, requests=1)
+    result = SessionResult(
+        SessionConfig(w), 1.0, {}, {(0, 0): {"results": {7: _room(1.0, 50.0)}}}, []
+    )
+    s = summarize(result)
+    assert (s["first_request_ms"], s["steady_p50_ms"], s["first_vs_steady_p50"]) == (50.0, 0.0, 0.0)
+    row = next(line for line in table([s]).splitlines() if line.startswith("time to ready"))
+    assert s["time_to_ready_s"] is None and row.split()[-1] == "-"
