@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -68,7 +68,7 @@ class SlotMessenger:
         self.agent_name = agent_name
         self.send = send
 
-    def __call__(self, grants: list[Grant], recalls: list[Recall] = ()) -> None:  # type: ignore[assignment]
+    def __call__(self, grants: Sequence[Grant], recalls: Sequence[Recall] = ()) -> None:
         for ep, room, slot in grants:
             self.send(ep, SlotGrant(room, self.agent_name, slot))
         for ep, room in recalls:

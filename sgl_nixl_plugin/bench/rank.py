@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from sgl_nixl_plugin import settings
 from sgl_nixl_plugin.adapter import harness
 from sgl_nixl_plugin.bench.workload import (
     AUX_ITEM_BYTES,
@@ -578,7 +579,7 @@ def rank_main(spec: RankSpec, out: Any, done: Any, release: Any = None) -> None:
             release.wait(timeout=spec.deadline_s)
 
     try:
-        logging.basicConfig(level=os.environ.get("SGLANG_NIXL_PLUGIN_BENCH_LOG", "WARNING"))
+        logging.basicConfig(level=settings.value("BENCH_LOG"))
         if logging.getLogger().getEffectiveLevel() > logging.INFO:
             # SGLang warns at import that its CUDA-only quantization kernels are unavailable
             warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang\.")

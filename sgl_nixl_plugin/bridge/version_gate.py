@@ -13,7 +13,6 @@ from sgl_nixl_plugin import __version__, compat, settings
 
 #: Set to 1/true/yes/on to make an unsupported SGLang a start-up failure instead of a warning.
 STRICT_ENV = "SGLANG_NIXL_PLUGIN_STRICT"  # read by ``settings.strict_mode``
-_TRUE = {"1", "true", "yes", "on", "y"}
 
 
 def strict_mode() -> bool:
