@@ -79,10 +79,6 @@ class PrefillRoom:
     path: str = "direct"
 
     @property
-    def failed(self) -> bool:
-        return self.phase in (PrefillPhase.DRAINING, PrefillPhase.FAILED) and bool(self.reason)
-
-    @property
     def stopping(self) -> bool:
         """No new WRITE may start: failed, or the sender is gone."""
         return self.phase in (PrefillPhase.DRAINING, *TERMINAL) or self.released
@@ -133,10 +129,6 @@ class PrefillRooms:
             if rec.phase is PrefillPhase.AWAITING:
                 rec.phase = PrefillPhase.SENDING
             return rec
-
-    def credits(self, room: int, agent: str) -> SlotCredits | None:
-        rec = self._rooms.get(room)
-        return rec.credits.get(agent) if rec is not None else None
 
     def release(self, room: int) -> None:
         """SGLang cleared the room's sender: close it now if no worker holds it, else let
