@@ -203,7 +203,11 @@ class Launcher:
 
     def reference(self, tp: int, page: int = 1) -> Server:
         server = self._server(f"reference-tp{tp}", "reference", tp, page)
-        self._await([server], "/health", SERVER_READY_S)
+        try:
+            self._await([server], "/health", SERVER_READY_S)
+        except BaseException:
+            self.group.stop([server.proc])
+            raise
         return server
 
     def pd(self, backend: str, tp: int, page: int, decode_plugins: Sequence[str] = ()) -> PDStack:
@@ -226,7 +230,6 @@ class Launcher:
              "--disaggregation-decode-retraction-backup", "cpu_tensor"],
             plugins=decode_plugins,
         )  # fmt: skip
-        self._await([prefill, decode], "/health", SERVER_READY_S)
         (router_port,) = free_ports(1)
         router_argv = [
             sys.executable, "-m", "sglang_router.launch_router",
@@ -236,18 +239,26 @@ class Launcher:
             "--host", "127.0.0.1", "--port", str(router_port),
             "--request-timeout-secs", str(int(REQUEST_TIMEOUT_S)),
         ]  # fmt: skip
+        # Started with the servers, not after them: an idle in-tree TP 2 pair keeps both cores
+        # busy, and a router started then took over 60 s to answer (seen in CI).
         router_env = server_env("reference", 1, self.tmp)  # the router loads no SGLang plugin
         router = Server(
             self.group.start(f"router-{tag}", router_argv, router_env, PROCESS_DEADLINE_S),
             router_port,
         )
-        self._await([router], "/health", ROUTER_READY_S)
-        stack = PDStack(
+        procs = [prefill.proc, decode.proc, router.proc]
+        try:
+            self._await([prefill, decode], "/health", SERVER_READY_S)
+            self._await([router], "/health", ROUTER_READY_S)
+        except BaseException:
+            # Stopped now, not at the module's teardown: a stack left running starved the
+            # next test's servers of CPU (seen in CI).
+            self.group.stop(procs)
+            raise
+        return PDStack(
             backend, tp, page, prefill, decode, router, bootstrap,
-            startup_s=time.monotonic() - started,
-            procs=[prefill.proc, decode.proc, router.proc],
+            startup_s=time.monotonic() - started, procs=procs,
         )  # fmt: skip
-        return stack
 
     def stop(self, procs: Sequence[ManagedProcess]) -> None:
         self.group.stop(procs)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -301,3 +302,30 @@ def test_stage_setup(tmp_path: Path) -> None:
     assert str(SHIM_PLUGINS[INTREE_DRAM_PLUGIN]) not in plugin["PYTHONPATH"].split(os.pathsep)
     control = server_env("in-tree", 1, tmp_path)
     assert control["SGLANG_PLUGINS"] == INTREE_DRAM_PLUGIN  # whitelist: sgl_nixl_plugin skipped
+
+
+def test_a_stack_that_never_gets_ready_is_stopped_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill that never answers /health fails ``pd()``, which stops the servers and the
+    router it started instead of leaving them to the module's teardown, where they kept the
+    cores busy and the next test's servers never got ready (seen in CI)."""
+    from . import stack as stack_module
+
+    never_ready = [sys.executable, "-c", "import time; time.sleep(600)"]
+    monkeypatch.setattr(stack_module, "server_argv", lambda *a, **k: never_ready)
+    monkeypatch.setattr(stack_module, "SERVER_READY_S", 2.0)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    g = ProcessGroup(logs, tmp_path)
+    try:
+        with pytest.raises(TimeoutError, match="/health not ready after 2s"):
+            Launcher(g, tmp_path, tmp_path).pd("plugin", 1, 16)
+        assert [p.name for p in g.procs] == [
+            "prefill-plugin-tp1-p16",
+            "decode-plugin-tp1-p16",
+            "router-plugin-tp1-p16",
+        ]
+        assert [p.name for p in g.procs if p.alive()] == []
+    finally:
+        g.stop()
