@@ -48,6 +48,12 @@ run() {  # label, then bench args
 }
 COMMON="--requests 24 --min-tokens 1024 --max-tokens 4096 --concurrency 8"
 run tp11_p16 $COMMON --page-size 16
+# cold start: one request in flight, first request against the steady state, warm-up on / off
+COLD="--requests 16 --min-tokens 4096 --max-tokens 8192 --concurrency 1"
+run cold_p16 $COLD --page-size 16
+run cold_p1 $COLD --page-size 1
+SGLANG_NIXL_PLUGIN_WARMUP=0 run cold_off_p16 $COLD --page-size 16
+run cold_c8_p16 --requests 32 --min-tokens 4096 --max-tokens 8192 --concurrency 8 --page-size 16
 run tp11_p1 $COMMON --page-size 1
 run tp21_p16 $COMMON --page-size 16 --prefill-tp 2
 run tp12_p1 $COMMON --page-size 1 --decode-tp 2
@@ -55,6 +61,12 @@ run tp11_mla --preset deepseek-mla --page-size 16 --requests 16 --min-tokens 102
 export SGLANG_NIXL_PLUGIN_TRANSFER_PATH=direct
 run tp11_direct_p16 --requests 8 --min-tokens 1024 --max-tokens 4096 --page-size 16
 unset SGLANG_NIXL_PLUGIN_TRANSFER_PATH
+if want engine; then  # the engine path, same shape and sizes: what the product path is held to
+  echo "=== engine (benchmarks/bench_staging.py, one GPU)" | tee -a "$OUT/e2e.txt"
+  timeout 200 python3 benchmarks/bench_staging.py --mem VRAM --send-gpu 0 --recv-gpu "$DEC_GPU" \
+    --page-size 1 16 --rows ours --requests 16 --min-tokens 4096 --max-tokens 8192 --budget-s 120 \
+    2>"$OUT/err_engine.txt" | sed -n '/^bench_staging summary/,$p' | tee -a "$OUT/e2e.txt"
+fi
 if want kill; then
   echo "=== prefill killed mid-transfer" | tee -a "$OUT/e2e.txt"
   timeout 200 python3 benchmarks/kill_check.py --mem VRAM --decode-gpu "$DEC_GPU" 2>"$OUT/err_kill.txt" | tee -a "$OUT/e2e.txt"

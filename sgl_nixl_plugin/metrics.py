@@ -17,6 +17,9 @@ logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _m: dict[str, Any] = {}
 
+MAX_PEER_LABELS = 32  # bounded cardinality: decode agents are named anew at every restart
+_peer_labels: set[str] = set()
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 DESCRIPTOR_BUCKETS = (1, 8, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 
@@ -48,6 +51,13 @@ def _metrics() -> dict[str, Any]:
             failures=Counter("sgl_nixl_failures", "Failed rooms by reason", ["reason"]),
             rejected=Counter("sgl_nixl_rejected_messages", "Dropped control messages", ["reason"]),
             staging=Gauge("sgl_nixl_staging_slots_in_use", "Staging slots in use", ["side"]),
+            room_by_peer=Histogram(
+                "sgl_nixl_room_seconds",
+                "Request filed to last completion, per room, by decode peer "
+                f"(the first {MAX_PEER_LABELS} peers by name, the rest as 'other')",
+                ["peer"],
+                buckets=LATENCY_BUCKETS,
+            ),
             nixl_post=Histogram(
                 "sgl_nixl_nixl_post_seconds", "NIXL post time (telemetry)", buckets=LATENCY_BUCKETS
             ),
@@ -58,6 +68,14 @@ def _metrics() -> dict[str, Any]:
             ),
         )
     return _m
+
+
+def prepare() -> None:
+    """Create the series now (at start-up), not inside the first room's transfer."""
+    try:
+        _metrics()
+    except Exception as exc:
+        logger.debug("sgl-nixl metrics: %s", exc)
 
 
 def _safe(fn: Any) -> Any:
@@ -98,6 +116,22 @@ def rejected(reason: str) -> None:
 @_safe
 def staging_in_use(side: str, slots: int) -> None:
     _metrics()["staging"].labels(side).set(slots)
+
+
+def peer_label(peer: str) -> str:
+    """``peer`` while fewer than :data:`MAX_PEER_LABELS` names were seen, else 'other'."""
+    with _lock:
+        if peer in _peer_labels:
+            return peer
+        if len(_peer_labels) < MAX_PEER_LABELS:
+            _peer_labels.add(peer)
+            return peer
+    return "other"
+
+
+@_safe
+def room_done(peer: str, seconds: float) -> None:
+    _metrics()["room_by_peer"].labels(peer_label(peer or "-")).observe(seconds)
 
 
 @_safe

@@ -95,6 +95,9 @@ VARS: tuple[Var, ...] = (
        field="slot_wait_s", minimum=0.0),
     _v("MAP_INDICES", "flag", True, "tuning", "prefill gathers read page indices in place",
        field="map_indices"),
+    _v("WARMUP", "flag", True, "tuning",
+       "prefill WRITEs the padding page at registration, taking wire-up off the first request",
+       field="warmup"),
     # test: hooks for the test suite and the benchmark
     _v("SGLANG_VERSION_OVERRIDE", "str", "", "test",
        "pretend this SGLang version is installed (exercises the version gate)"),
@@ -218,6 +221,7 @@ class Settings:
     abort_drain_timeout_s: float = 5.0
     slot_wait_s: float = 2.0  # a chunk waits this long for a receiver slot, then goes direct
     map_indices: bool = True  # prefill GPU gathers read page indices from pinned host memory
+    warmup: bool = True  # a WRITE into the decode's padding page when it registers
 
     @classmethod
     def from_env(cls) -> Settings:

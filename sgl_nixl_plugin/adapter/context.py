@@ -3,6 +3,7 @@ manager): the engine, the wire, the transport, SGLang's room tables and our own.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from sgl_nixl_plugin.registry.spec import TransferEvent
 from sgl_nixl_plugin.settings import Settings
 from sgl_nixl_plugin.wire.codec import Codec
 from sgl_nixl_plugin.wire.messages import Compat
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the facade imports SGLang; the sides' logic runs without it (tests)
     from sgl_nixl_plugin.adapter.sglang_rooms import SGLangRooms
@@ -77,6 +80,21 @@ class PrefillContext(SideBase):
     copier: Any = None
     copy_stream: Any = None
     fallbacks: int = 0  # staged chunks sent direct: no receiver slot in time
+    warmups: int = 0  # decodes whose padding page took the first WRITE at registration
+    warmed_shapes: set[tuple[int, int, int]] = field(default_factory=set)
+
+    def warm_copier(self, unit_len: int, stride: int = 0, offset: int = 0) -> None:
+        """Compile the staging gather for one unit shape now (a GPU's first launch of a new
+        shape compiles for up to a second), not inside the first staged request."""
+        key = (unit_len, stride or unit_len, offset)
+        warm = getattr(self.copier, "warmup", None)
+        if warm is None or unit_len <= 0 or key in self.warmed_shapes:
+            return
+        self.warmed_shapes.add(key)
+        try:
+            warm(*key)
+        except Exception as exc:
+            logger.warning("sgl-nixl: staging copier warm-up (unit %d B) failed: %s", unit_len, exc)
 
     def fail_rooms_of_peer(self, agent: str, reason: str) -> None:
         """Fail (and tell) every open room with a destination on decode ``agent``."""
@@ -95,20 +113,42 @@ class PrefillContext(SideBase):
 
     def observe(self, rec: PrefillRoom, ok: bool, reason: str | None = None) -> None:
         """Report a finished room to metrics and to deployers' observer hooks."""
-        seconds = time.perf_counter() - rec.started
+        ended = time.perf_counter()
+        seconds = ended - rec.started
+        peer = ",".join(sorted(rec.peers))
+        timeline: dict[str, float] = {
+            **rec.timeline(ended),
+            "pieces": rec.pieces,
+            "post_us": rec.nixl_post_us,
+            "xfer_us": rec.nixl_xfer_us,
+        }
         metrics.transfer_done(ok, rec.path, rec.nbytes, seconds, rec.descriptors, reason)
+        metrics.room_done(peer, seconds)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "sgl-nixl room %s: %s peer=%s path=%s bytes=%d descriptors=%d %s%s",
+                rec.room,
+                "ok" if ok else "failed",
+                peer or "-",
+                rec.path,
+                rec.nbytes,
+                rec.descriptors,
+                " ".join(f"{k}={v:g}" for k, v in timeline.items()),
+                f" reason={reason!r}" if reason else "",
+            )
         if self.staging is not None:
             metrics.staging_in_use("prefill", self.staging.num_slots - self.staging.free)
         registry.notify_transfer(
             TransferEvent(
                 room=rec.room,
-                peer=",".join(sorted(rec.peers)),
+                peer=peer,
                 ok=ok,
                 bytes=rec.nbytes,
                 duration_s=seconds,
                 descriptors=rec.descriptors,
                 path=rec.path,
                 reason=reason,
+                timeline=timeline,
             )
         )
 
@@ -118,3 +158,4 @@ class DecodeContext(SideBase):
     rooms: DecodeRooms = field(default_factory=DecodeRooms)
     staging: Any = None  # DecodeStaging when the staging path is on
     refused: dict[Endpoint, tuple[str, float]] = field(default_factory=dict)
+    warmup: Any = None  # DecodeWarmup

@@ -100,6 +100,9 @@ class DecodeListener(ControlLoop):
             else:
                 ctx.sglang.note_abort_ack(msg.room, msg.prefill_rank, msg.generation)
         elif isinstance(msg, RegistrationReply | ForeignReply):
+            if ctx.warmup is not None:
+                accepted = isinstance(msg, RegistrationReply) and msg.accepted and not msg.retry
+                ctx.warmup.replied((msg.ip, msg.port), accepted)
             if isinstance(msg, RegistrationReply) and msg.retry:
                 self.side.forget_endpoint((msg.ip, msg.port))  # it lost our registration
             elif not msg.accepted:

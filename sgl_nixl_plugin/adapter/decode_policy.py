@@ -30,26 +30,31 @@ class DecodePolicy:
         """Every prefill rank this decode has a cached route to (watched for loss)."""
         return self.ctx.sglang.cached_prefill_endpoints()
 
-    def fail_endpoint(self, endpoint: Endpoint, reason: str) -> list[int]:
-        """Fail every unfinished room served by ``endpoint``, forget its cached route, and
-        return the rooms failed."""
+    def fail_endpoint(self, endpoint: Endpoint, reason: str, disconnect: bool = True) -> list[int]:
+        """Fail every unfinished room served by ``endpoint``, forget its cached route (and
+        close the socket to it, unless the peer is alive: ``disconnect``), and return the
+        rooms failed."""
         failed = [
             r for r in self.ctx.rooms.rooms_served_by(endpoint) if self.ctx.sglang.fail(r, reason)
         ]
-        self.forget_endpoint(endpoint)
+        self.forget_endpoint(endpoint, disconnect)
         log = logger.error if failed else logger.info
         log("sgl-nixl: %s (%d requests failed: rooms %s)", reason, len(failed), _rooms(failed))
         return failed
 
-    def forget_endpoint(self, endpoint: Endpoint) -> None:
+    def forget_endpoint(self, endpoint: Endpoint, disconnect: bool = False) -> None:
         """Drop cached routes to ``endpoint``: the next request asks the bootstrap again
-        (and registers again)."""
-        self.ctx.sglang.forget_prefill_endpoint(endpoint)
+        (and registers again). ``disconnect`` also closes the socket, for a peer that is
+        gone; a live one keeps it, so that messages queued on it (aborts) still leave."""
+        self.ctx.sglang.forget_prefill_endpoint(endpoint, disconnect)
+        if self.ctx.warmup is not None:
+            self.ctx.warmup.forget(endpoint)
 
     def on_refused(self, endpoint: Endpoint, reason: str) -> None:
         self.ctx.refused[endpoint] = (reason, time.monotonic())
         why = f"prefill {endpoint[0]}:{endpoint[1]} refused this decode: {reason}"
-        for room in self.fail_endpoint(endpoint, why):
+        # the prefill is alive (it answered): the aborts below go out on the same socket
+        for room in self.fail_endpoint(endpoint, why, disconnect=False):
             self.tell_prefills(room, self.ctx.rooms.endpoints(room) or {endpoint}, why)
 
     def refusal_since(self, endpoints: set[Endpoint], since: float) -> str | None:

@@ -70,4 +70,6 @@ class DecodeSide:
     def sizes(self) -> dict[str, int]:
         out = {f"decode.{k}": v for k, v in self.ctx.rooms.sizes().items()}
         out.update({f"count.staging.{k}": v for k, v in asdict(self.ctx.rooms.counters).items()})
+        if self.ctx.warmup is not None:
+            out["count.warmed_prefills"] = self.ctx.warmup.warmed()
         return out

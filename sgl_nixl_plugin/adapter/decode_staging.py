@@ -108,6 +108,7 @@ class DecodeStaging:
         self._fail_room = fail_room
         self.bases = np.asarray(kv.ptrs, dtype=np.uint64)
         self.region_len = min(kv.lens) if len(self.bases) else 0
+        self.item_len = int(kv.item_lens[0]) if len(self.bases) else 0
         self.copier: Any = None
         self.stream: Any = None
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -129,6 +130,12 @@ class DecodeStaging:
             self.stream = torch.cuda.Stream(device=self.device)
         self.scatters = ScatterQueue(self.copier, self.stream)
         self._bases_dev = self.copier.prepare_bases(self.bases, self.stream)
+        warm = getattr(self.copier, "warmup", None)
+        if warm is not None and self.item_len > 0:
+            try:  # the equal-TP scatter shape, compiled now rather than in the first request
+                warm(self.item_len)
+            except Exception as exc:
+                logger.warning("sgl-nixl: staging copier warm-up failed: %s", exc)
         self.thread.start()
         self.completer.start()
 

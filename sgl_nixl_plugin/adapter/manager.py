@@ -23,6 +23,7 @@ from sgl_nixl_plugin.adapter import bootstrap_client
 from sgl_nixl_plugin.adapter.context import DecodeContext, Identity, PrefillContext
 from sgl_nixl_plugin.adapter.decode_side import DecodeSide
 from sgl_nixl_plugin.adapter.decode_staging import DecodeStaging, SlotMessenger
+from sgl_nixl_plugin.adapter.decode_warmup import DecodeWarmup
 from sgl_nixl_plugin.adapter.memory import (
     compat_of,
     kv_mem_kind,
@@ -135,6 +136,7 @@ class NixlPluginKVManager(CommonKVManager):
             self._advertise = True
             self.register_to_bootstrap()
         announce()
+        metrics.prepare()
         logger.info(
             "sgl-nixl: %s manager ready (agent %s, %s KV, %d regions, control %s:%s)",
             disaggregation_mode.value,
@@ -164,6 +166,7 @@ class NixlPluginKVManager(CommonKVManager):
                 ctx.copier = make_copier(self.kv_mem_kind, gpu)
                 if hasattr(ctx.copier, "map_units"):  # the sender's indices: read in place
                     ctx.copier.map_units = self.settings.map_indices
+                ctx.warm_copier(ctx.kv_item_len)  # whole pages: the equal-TP shape
                 ctx.staging = StagingBuffer(
                     self.engine.agent, self.staging_bytes, self.slot_bytes, self.kv_mem_kind, gpu
                 )
@@ -194,6 +197,12 @@ class NixlPluginKVManager(CommonKVManager):
             quarantine_s=self.settings.abort_drain_timeout_s,
         )
         ctx = DecodeContext(**base, rooms=rooms)
+        ctx.warmup = DecodeWarmup(
+            self.transport.send_raw,
+            self.build_receiver_registration_message,
+            ctx.sglang.prefill_info,
+            self.settings.secret,
+        )
         if buffer is not None:
             sg = ctx.sglang
             ctx.staging = DecodeStaging(
@@ -265,6 +274,19 @@ class NixlPluginKVManager(CommonKVManager):
             metrics.failure(failure_reason)
 
     # -- decode: messages to prefill ------------------------------------------------------
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """SGLang's first look at a prefill: once it has the prefill's parallel info, this
+        decode registers with the prefill's ranks in the background (``DecodeWarmup``)."""
+        ok = super().try_ensure_parallel_info(bootstrap_addr)
+        if ok and self.settings.warmup and self.disaggregation_mode == DisaggregationMode.DECODE:
+            self.decode.ctx.warmup.start(bootstrap_addr)
+        return ok
+
+    def prefill_ready(self, bootstrap_addr: str) -> bool:
+        """Every rank of that prefill linked this decode and warmed the path to it (always
+        True with the warm-up turned off)."""
+        return not self.settings.warmup or self.decode.ctx.warmup.ready(bootstrap_addr)
+
     def build_receiver_registration_message(self) -> list:
         args, mem = self.kv_args, self.engine.memory
         reg = PeerRegistration(

@@ -18,6 +18,7 @@ from sgl_nixl_plugin.adapter.control_loop import ControlLoop
 from sgl_nixl_plugin.adapter.memory import decode_heads, kv_geometry, remote_memory
 from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.descriptors import validate_items
+from sgl_nixl_plugin.engine.engine import PeerLink
 from sgl_nixl_plugin.engine.staging import RemoteStaging
 from sgl_nixl_plugin.protocol.credits import SlotCredits
 from sgl_nixl_plugin.protocol.peers import DecodePeer
@@ -186,7 +187,7 @@ class PrefillControl(ControlLoop):
         reason = describe_mismatch(ctx.compat, reg.compat, "prefill")
         if not reason and reg.compat_hash != ctx.compat_hash:
             reason = "compatibility hash differs although every field matches: upgrade both sides"
-        link = None
+        link, warm_ms = None, None
         with peers.lock:
             known = peers.accepted.get(reg.agent_name)
         if known is not None and known.reg == reg:
@@ -222,6 +223,9 @@ class PrefillControl(ControlLoop):
                 remote = remote_memory(reg.kv, reg.aux, reg.state)
                 ctx.sglang.check_aux_count(reg.agent_name, len(reg.aux))
                 link = ctx.engine.link(reg.agent_metadata, remote, {"kv": geometry})
+                warm_ms = self._warm(link, reg.agent_name)
+                if ctx.staging is not None and not geometry.is_whole_items:
+                    ctx.warm_copier(geometry.unit_len, geometry.src_stride, geometry.src_offset)
             except ValueError as exc:
                 reason = f"cannot serve decode rank {reg.tp_rank}/{reg.tp_size} layout: {exc}"
             except TransferError as exc:
@@ -263,13 +267,30 @@ class PrefillControl(ControlLoop):
             )
         else:
             logger.info(
-                "sgl-nixl: decode %s (tp %d/%d) at %s:%s connected",
+                "sgl-nixl: decode %s (tp %d/%d) at %s:%s connected%s",
                 reg.agent_name,
                 reg.tp_rank,
                 reg.tp_size,
                 *endpoint,
+                f", warm-up WRITE {warm_ms:.1f} ms" if warm_ms is not None else "",
             )
         self._reply(endpoint, reg.agent_name, reason)
+
+    def _warm(self, link: PeerLink, agent: str) -> float | None:
+        """The first WRITE to a new decode, into its padding page, before the reply: the
+        decode waits for the reply before its first request where it can (see
+        ``DecodeWarmup``). A failure is logged, not a refusal: the requests then report it."""
+        if not self.ctx.settings.warmup:
+            return None
+        try:
+            ms = self.ctx.engine.warm(link) * 1e3
+            self.ctx.warmups += 1
+            return ms
+        except TransferError as exc:
+            logger.warning(
+                "sgl-nixl: decode %s: %s; its first request pays the wire-up", agent, exc
+            )
+            return None
 
     def _drop_peer_locked(self, peer: DecodePeer, why: str) -> None:
         self.ctx.peers.accepted.pop(peer.agent, None)
@@ -350,6 +371,7 @@ class PrefillControl(ControlLoop):
         if req.decode_prefix_len:
             sg.set_decode_prefix_len(room, req.decode_prefix_len)
         if count >= req.required_dst_info_num:
+            rec.ready_at = time.perf_counter()
             sg.mark_ready(room)
 
     # -- aborts ---------------------------------------------------------------------------

@@ -53,5 +53,6 @@ class PrefillSide:
         """Our per-room tables (they return to zero once every room ended) and counters."""
         out = {f"prefill.{k}": v for k, v in self.ctx.rooms.sizes().items()}
         out["count.staging.fell_back"] = self.ctx.fallbacks
+        out["count.warmups"] = self.ctx.warmups
         out.update({f"worker{i}.rooms": len(w.active) for i, w in enumerate(self.workers)})
         return out

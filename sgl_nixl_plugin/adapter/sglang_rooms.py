@@ -160,13 +160,19 @@ class SGLangRooms:
             pools = list(self._m.connection_pool.values())
         return {(i["rank_ip"], int(i["rank_port"])) for infos in pools for i in infos}
 
-    def forget_prefill_endpoint(self, endpoint: Endpoint) -> None:
-        """Drop cached routes to ``endpoint`` so the next request asks the bootstrap again."""
+    def prefill_info(self, addr: str) -> Any:
+        """SGLang's parallel info of the prefill at bootstrap ``addr`` (None: not fetched)."""
+        return self._m.prefill_info_table.get(addr)
+
+    def forget_prefill_endpoint(self, endpoint: Endpoint, disconnect: bool = True) -> None:
+        """Drop cached routes to ``endpoint`` so the next request asks the bootstrap again;
+        ``disconnect`` also closes SGLang's cached socket to it."""
         with self._m.connection_lock:
             for key, infos in list(self._m.connection_pool.items()):
                 if any((i.get("rank_ip"), int(i.get("rank_port", -1))) == endpoint for i in infos):
                     del self._m.connection_pool[key]
-        CommonKVReceiver.disconnect_endpoint(NetworkAddress(*endpoint).to_tcp())
+        if disconnect:
+            CommonKVReceiver.disconnect_endpoint(NetworkAddress(*endpoint).to_tcp())
 
 
 def receiver_socket(endpoint: Endpoint) -> tuple[Any, Any]:

@@ -74,6 +74,7 @@ class StagedJob:
     src_pages: np.ndarray  # for the direct fallback when no receiver slot comes in time
     dst_pages: np.ndarray
     created: float = field(default_factory=time.monotonic)
+    slot_at: float | None = None  # when the decode's first staging slot was there
     fell_back: bool = False  # sent direct instead (no receiver slot in time)
 
 
@@ -223,6 +224,7 @@ class TransferWorker:
         if x is None:
             return
         rec.xfers.append(x)
+        rec.note_post()
         rec.nbytes += x.nbytes
         rec.descriptors += x.descriptors
         self.ctx.sglang.begin_transfer(rec.room)
@@ -307,9 +309,13 @@ class TransferWorker:
             if self._slot_wait_over(job) and not rec.stopping:
                 self._go_direct(rec, job)
                 continue
+            if job.slot_at is None and job.send.remote_free:
+                job.slot_at = time.monotonic()
+                rec.slot_wait_s += job.slot_at - job.created
             posted, ended = job.send.posted, job.send.settled
             landed = job.send.step()
             if job.send.posted > posted:
+                rec.note_post()
                 sg.begin_transfer(room, job.send.posted - posted)
             for piece, slot in landed:
                 settled += 1
@@ -356,6 +362,7 @@ class TransferWorker:
                 )
             rec.nbytes += sum(j.send.nbytes for j in rec.jobs)
             rec.descriptors += sum(j.send.done_pieces for j in rec.jobs)
+            rec.pieces += sum(j.send.done_pieces for j in rec.jobs)
             rec.jobs = []
         return settled
 
@@ -464,6 +471,8 @@ class TransferWorker:
                     settled += 1
                     if state == "DONE" and (t := ctx.engine.agent.telemetry(x)):
                         metrics.telemetry(t)
+                        rec.nixl_post_us += t["post_us"]
+                        rec.nixl_xfer_us += t["xfer_us"]
                     ctx.engine.release(x)
                     ctx.sglang.end_transfer(rec.room)
                     if state == "ERR" and not rec.stopping:

@@ -70,7 +70,13 @@ class Transport:
 
     def send(self, endpoint: Endpoint, msg: Message, arrays: Sequence[np.ndarray] = ()) -> bool:
         """Send one message without blocking; False (logged) if the peer can't take it."""
-        frames = self.codec.encode(msg, arrays)
+        return self._push(endpoint, self.codec.encode(msg, arrays), type(msg).__name__)
+
+    def send_raw(self, endpoint: Endpoint, frames: list[Any]) -> bool:
+        """Frames already encoded (a registration, a reply in a peer's protocol version)."""
+        return self._push(endpoint, frames, "encoded frames")
+
+    def _push(self, endpoint: Endpoint, frames: list[Any], what: str) -> bool:
         try:
             if self._via is not None:
                 sock, lock = self._via(endpoint)
@@ -81,19 +87,7 @@ class Transport:
                 self.send_frames(url, frames, ipv6)
             return True
         except Exception as exc:
-            logger.warning(
-                "sgl-nixl: could not send %s to %s:%s: %s", type(msg).__name__, *endpoint, exc
-            )
-            return False
-
-    def send_raw(self, endpoint: Endpoint, frames: list[Any]) -> bool:
-        """Frames already encoded (a reply in a peer's protocol version)."""
-        try:
-            url, ipv6 = self._address(endpoint)
-            self.send_frames(url, frames, ipv6)
-            return True
-        except Exception as exc:
-            logger.warning("sgl-nixl: could not reply to %s:%s: %s", *endpoint, exc)
+            logger.warning("sgl-nixl: could not send %s to %s:%s: %s", what, *endpoint, exc)
             return False
 
     def close(self) -> None:

@@ -362,6 +362,7 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
             if status == KVPoll.WaitingForInput and not ctx["sent"]:
                 ctx["sent"] = True
                 t = time.perf_counter()
+                ctx["ready_seen"] = t
                 sender.init(len(ctx["pages"]), ctx["slot"])
                 ctx["parts"] = np.array_split(ctx["pages"], r.chunks)
                 ctx["next"], ctx["next_at"] = 0, t + r.send_delay_ms * 1e-3
@@ -390,6 +391,15 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
                 else:
                     sender.clear()
                 ev = collector.events.get(room)
+                if ev is not None and ev.timeline:
+                    logger.debug(
+                        "bench prefill room %s: WaitingForInput seen %.3f ms after the sender "
+                        "was made, send() calls %.0f us; room timeline %s",
+                        room,
+                        (ctx.get("ready_seen", ctx["t0"]) - ctx["t0"]) * 1e3,
+                        ctx.get("control_us", 0.0),
+                        ev.timeline,
+                    )
                 results[room] = {
                     "ok": status == KVPoll.Success,
                     "reason": reason,
@@ -449,18 +459,26 @@ def run_decode(
     results: dict[int, dict[str, Any]] = {}
     deadline = time.monotonic() + spec.deadline_s
     ready: set[str] = set()
+    resolved: set[str] = set()
     probed: dict[str, float] = {}
     while (pending or active) and time.monotonic() < deadline:
         while pending and len(active) < w.concurrency:
             r = pending[0]
             addr = spec.prefill_addr_of(index_of[r.room])
             if addr not in ready:
-                # SGLang logs an ERROR for every query that finds the prefill not registered
-                # yet: ask quietly (every 50 ms) until it is, then let SGLang fetch its info
-                if time.monotonic() - probed.get(addr, 0.0) < 0.05:
-                    break
-                probed[addr] = time.monotonic()
-                if not _prefill_registered(addr) or not mgr.try_ensure_parallel_info(addr):
+                if addr not in resolved:
+                    # SGLang logs an ERROR for every query that finds the prefill not
+                    # registered yet: ask quietly (every 50 ms) until it is, then let SGLang
+                    # fetch its info
+                    if time.monotonic() - probed.get(addr, 0.0) < 0.05:
+                        break
+                    probed[addr] = time.monotonic()
+                    if not _prefill_registered(addr) or not mgr.try_ensure_parallel_info(addr):
+                        break
+                    resolved.add(addr)
+                # ours links and warms the path meanwhile: part of the time to ready
+                warmed = getattr(mgr, "prefill_ready", None)
+                if warmed is not None and not warmed(addr):
                     break
                 ready.add(addr)
             pages = pool.alloc(r.pages(w.page_size), r.contiguous)

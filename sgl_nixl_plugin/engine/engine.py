@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,6 +195,33 @@ class TransferEngine:
             descriptors=expected_descriptors(src, dst, g.num_regions, g.geometry),
             notif=notif,
         )
+
+    def warm(self, link: PeerLink, timeout_s: float = 1.0) -> float:
+        """WRITE item 0 of every KV region into the peer's item 0 and wait for it; seconds.
+
+        Item 0 is the padding page of SGLang's token pools on both sides (allocators hand
+        out pages from 1), so no request's data is touched. The first WRITE to a new peer
+        pays the transport's wire-up (UCX endpoints, remote keys, CUDA IPC handles): paid
+        here, at registration, it stays off the first request. Raises ``TransferError``.
+        """
+        started = time.monotonic()
+        zero = np.zeros(1, dtype=np.int64)
+        try:
+            xfer = self.write(link, "kv", zero, zero)
+        except TransferError as exc:
+            raise TransferError(f"warm-up WRITE to {link.name}: {exc}") from exc
+        if xfer is None:
+            return 0.0
+        deadline = started + timeout_s
+        while self.poll(xfer) == "PROC" and time.monotonic() < deadline:
+            time.sleep(0.0002)  # a poll interval: the transport's progress runs meanwhile
+        if xfer.state != "DONE":
+            why = xfer.error or f"still in flight after {timeout_s:.1f}s"
+            self.agent.abandon(xfer)
+            raise TransferError(f"warm-up WRITE to {link.name}: {why}")
+        if not self.release(xfer):
+            self.agent.abandon(xfer)
+        return time.monotonic() - started
 
     def poll(self, xfer: Xfer) -> str:
         return self.agent.poll(xfer)

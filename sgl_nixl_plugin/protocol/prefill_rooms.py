@@ -77,6 +77,35 @@ class PrefillRoom:
     descriptors: int = 0
     peers: set[str] = field(default_factory=set)
     path: str = "direct"
+    # where the room's time went (perf_counter seconds; 0.0: not yet), for its one log line
+    ready_at: float = 0.0  # every destination filed: SGLang's sender may send
+    claimed_at: float = 0.0  # its first chunk reached the worker
+    first_post_at: float = 0.0  # its first WRITE was posted
+    slot_wait_s: float = 0.0  # staged chunks waiting for the decode's first staging slot
+    pieces: int = 0  # staged pieces that landed
+    nixl_post_us: int = 0  # NIXL telemetry of its direct WRITEs, when captured
+    nixl_xfer_us: int = 0
+
+    def note_post(self) -> None:
+        if not self.first_post_at:
+            self.first_post_at = time.perf_counter()
+
+    def timeline(self, ended: float) -> dict[str, float]:
+        """Milliseconds: first destination filed to the last (ready), ready to first chunk,
+        first chunk to first WRITE, waiting
+        for staging slots, first WRITE to the end, and the whole (``ended`` a perf_counter)."""
+
+        def ms(a: float, b: float) -> float:
+            return round((b - a) * 1e3, 3) if a and b else 0.0
+
+        return {
+            "to_ready_ms": ms(self.started, self.ready_at),
+            "to_chunk_ms": ms(self.ready_at or self.started, self.claimed_at),
+            "to_post_ms": ms(self.claimed_at, self.first_post_at),
+            "slot_wait_ms": round(self.slot_wait_s * 1e3, 3),
+            "writes_ms": ms(self.first_post_at, ended),
+            "wall_ms": ms(self.started, ended),
+        }
 
     @property
     def stopping(self) -> bool:
@@ -128,6 +157,8 @@ class PrefillRooms:
                 rec = self._rooms[room] = PrefillRoom(room)
             if rec.phase is PrefillPhase.AWAITING:
                 rec.phase = PrefillPhase.SENDING
+            if not rec.claimed_at:
+                rec.claimed_at = time.perf_counter()
             return rec
 
     def release(self, room: int) -> None:

@@ -101,3 +101,7 @@ class TransferEvent:
     descriptors: int
     path: Literal["direct", "staging"]
     reason: str | None = None
+    #: where the room's time went, in ms: ``to_chunk_ms`` (request filed to first chunk),
+    #: ``to_post_ms`` (first chunk to first WRITE), ``slot_wait_ms``, ``writes_ms`` (first
+    #: WRITE to the end), ``wall_ms``; plus ``pieces`` and NIXL's ``post_us`` / ``xfer_us``
+    timeline: dict[str, float] = field(default_factory=dict)

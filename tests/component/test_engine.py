@@ -357,15 +357,23 @@ def small_spec(**kw: object) -> PeerSpec:
     return PeerSpec(GroupSpec(2, 32, 256), **kw)  # type: ignore[arg-type]
 
 
-def test_write_to_killed_peer_ends_in_err(
-    spawn: Callable[[PeerSpec], PeerProcess], engines: list[TransferEngine]
-) -> None:
+def small_pair(
+    spawn: Callable[[PeerSpec], PeerProcess], engines: list[TransferEngine], seed: int
+) -> Pair:
+    """Our engine over random bytes, linked to a fresh small peer (closed after the test)."""
     spec = small_spec()
-    _, memory = allocate(spec, seed=1)
+    src, memory = allocate(spec, seed=seed)
     engine = TransferEngine(AgentConfig(), memory)
     engines.append(engine)
     peer = spawn(spec)
-    link = engine.link(peer.metadata, peer.memory)
+    return Pair(engine, src, peer, engine.link(peer.metadata, peer.memory))
+
+
+def test_write_to_killed_peer_ends_in_err(
+    spawn: Callable[[PeerSpec], PeerProcess], engines: list[TransferEngine]
+) -> None:
+    pair = small_pair(spawn, engines, seed=1)
+    engine, peer, link = pair.engine, pair.peer, pair.link
     peer.kill()  # gone before the first WRITE ever connects
     started = time.monotonic()
     try:
@@ -469,3 +477,25 @@ def test_nothing_leaks_after_many_transfers(pairs: dict[int, Pair]) -> None:
     assert all(h._released for h in handles)  # NIXL itself freed every handle
     got = peer.notifications(want=20, timeout=DEADLINE_S, sender=engine.name)
     assert got.get(engine.name) == [b"n"] * 20  # every non-empty notif, once; empty ones: none
+
+
+def test_warm_up_writes_only_the_padding_page_and_a_dead_peer_fails_it(
+    spawn: Callable[[PeerSpec], PeerProcess], engines: list[TransferEngine]
+) -> None:
+    """``warm`` WRITEs item 0 of every KV region into the peer's item 0 (SGLang's padding
+    page), byte for byte and nothing else; against a killed peer it raises within bounds."""
+    pair = small_pair(spawn, engines, seed=5)
+    engine, link = pair.engine, pair.link
+    assert engine.warm(link) > 0
+    assert_landed(pair, "kv", np.array([0]), np.array([0]))
+    assert engine.agent.live["xfer"] == 0
+
+    gone = spawn(small_spec())
+    dead = engine.link(gone.metadata, gone.memory)
+    gone.kill()
+    started = time.monotonic()
+    with pytest.raises(TransferError, match="warm-up WRITE"):
+        engine.warm(dead, timeout_s=2.0)
+    assert time.monotonic() - started < DEADLINE_S
+    engine.unlink(dead)
+    engine.unlink(link)

@@ -52,6 +52,12 @@ def test_pd_matrix(prefill_tp: int, decode_tp: int, shape: str, page_size: int) 
     w = workload(shape, page_size, requests=14)
     res = run_pd(w, prefill_tp=prefill_tp, decode_tp=decode_tp)
     assert_clean(res)
+    # each decode rank registered with its prefill ranks before its first request, and
+    # every (decode rank, prefill rank) pair took one warm-up WRITE at registration
+    warmed = [r["tables"].get("count.warmed_prefills") for r in res.decode.values()]
+    assert warmed == [1] * decode_tp
+    warmups = [r["tables"].get("count.warmups", 0) for r in res.prefill.values()]
+    assert sum(warmups) == max(prefill_tp, decode_tp) and all(warmups)
 
 
 @pytest.mark.timeout(180)

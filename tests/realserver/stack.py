@@ -210,9 +210,17 @@ class Launcher:
             raise
         return server
 
-    def pd(self, backend: str, tp: int, page: int, decode_plugins: Sequence[str] = ()) -> PDStack:
+    def pd(
+        self,
+        backend: str,
+        tp: int,
+        page: int,
+        decode_plugins: Sequence[str] = (),
+        extra: Sequence[str] = (),
+    ) -> PDStack:
         """Prefill + decode (started together) and the router; ``decode_plugins``: extra
-        test-only SGLang plugins for the decode server (the negative control)."""
+        test-only SGLang plugins for the decode server (the negative control); ``extra``:
+        more server arguments for both."""
         tag = f"{backend}-tp{tp}-p{page}" + "".join(f"-{p}" for p in decode_plugins)
         started = time.monotonic()
         bootstrap, decode_bootstrap = free_ports(2)
@@ -220,14 +228,14 @@ class Launcher:
             f"prefill-{tag}", backend, tp, page,
             ["--disaggregation-mode", "prefill",
              "--disaggregation-transfer-backend", "nixl",
-             "--disaggregation-bootstrap-port", str(bootstrap)],
+             "--disaggregation-bootstrap-port", str(bootstrap), *extra],
         )  # fmt: skip
         decode = self._server(
             f"decode-{tag}", backend, tp, page,
             ["--disaggregation-mode", "decode",
              "--disaggregation-transfer-backend", "nixl",
              "--disaggregation-bootstrap-port", str(decode_bootstrap),
-             "--disaggregation-decode-retraction-backup", "cpu_tensor"],
+             "--disaggregation-decode-retraction-backup", "cpu_tensor", *extra],
             plugins=decode_plugins,
         )  # fmt: skip
         (router_port,) = free_ports(1)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import requests
 
 from sgl_nixl_plugin import __version__
 
@@ -79,6 +80,7 @@ class Config:
     page: int
     tp: int = 1
     batches: tuple[str, ...] = ("sequential", "concurrent")
+    metrics: bool = False  # both servers with --enable-metrics; the prefill's series checked
 
     @property
     def id(self) -> str:
@@ -87,7 +89,7 @@ class Config:
 
 CONFIGS = (
     Config("plugin", 1),
-    Config("plugin", 16),
+    Config("plugin", 16, metrics=True),
     Config("in-tree", 1),
     Config("in-tree", 16),
     Config("plugin", 16, tp=2),
@@ -200,6 +202,11 @@ def _log_problems(stack: PDStack) -> list[str]:
                 problems.append(f"{role} log: the KV pool was not registered as DRAM on every rank")
             if INTREE_DRAM_MARKER in log:
                 problems.append(f"{role} log: the plugin run loaded the in-tree control shim")
+            # the warm-up at first contact: each decode rank registered with its prefill rank
+            # before its first request, and that prefill rank WRITEd its padding page
+            warm = "1 of 1 ranks linked and warmed" if role == "decode" else ", warm-up WRITE "
+            if _count(log, warm) != tp:
+                problems.append(f"{role} log: {warm!r} {_count(log, warm)} times, expected {tp}")
         else:
             if "sgl-nixl" in log:
                 line = next(ln for ln in log.splitlines() if "sgl-nixl" in ln)
@@ -209,6 +216,50 @@ def _log_problems(stack: PDStack) -> list[str]:
                 problems.append(
                     f"{role} log: control shim marker {shim} times, expected {tp} (one per rank)"
                 )
+    return problems
+
+
+def _series(url: str) -> dict[str, float]:
+    """``name{labels}`` -> value of every ``sgl_nixl_*`` sample a server's /metrics shows."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("sgl_nixl_"):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "pid")
+                key = f"{s.name}{{{labels}}}"
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def _metrics_problems(stack: PDStack, sent: int) -> list[str]:
+    """SGLang runs its metrics in multiprocess mode: our series, counted in the scheduler
+    process, must reach the server's /metrics and count every request sent, each once."""
+    pre, dec = _series(stack.prefill.url), _series(stack.decode.url)
+
+    def total(series: dict[str, float], name: str, **labels: str) -> float:
+        want = [f"{k}={v}" for k, v in labels.items()]
+        return sum(
+            v for k, v in series.items()
+            if k.split("{")[0] == name and all(w in k for w in want)
+        )  # fmt: skip
+
+    problems = []
+    ok = total(pre, "sgl_nixl_transfers_total", outcome="ok")
+    if ok != sent:
+        problems.append(
+            f"prefill /metrics: sgl_nixl_transfers_total{{outcome=ok}} {ok}, sent {sent}"
+        )
+    rooms = total(pre, "sgl_nixl_room_seconds_count")
+    if rooms != sent:
+        problems.append(f"prefill /metrics: sgl_nixl_room_seconds_count {rooms}, sent {sent}")
+    if total(pre, "sgl_nixl_transfer_bytes_total") <= 0:
+        problems.append("prefill /metrics: no sgl_nixl_transfer_bytes_total")
+    failed = total(pre, "sgl_nixl_failures_total") + total(dec, "sgl_nixl_failures_total")
+    if failed:
+        problems.append(f"/metrics: {failed} sgl_nixl_failures_total on a run with no failure")
     return problems
 
 
@@ -237,13 +288,17 @@ def test_pd_output_ids_match_reference(
 ) -> None:
     expected = reference_outputs(cfg.tp)
     with logs_on_failure(group):
-        stack = launcher.pd(cfg.backend, cfg.tp, cfg.page)
+        extra = ["--enable-metrics"] if cfg.metrics else []
+        stack = launcher.pd(cfg.backend, cfg.tp, cfg.page, extra=extra)
         try:
             record_property("pd_startup_s", round(stack.startup_s, 1))
             problems, timings = _run_batches(stack, expected, cfg.batches)
             for key, value in timings.items():
                 record_property(key, value)
             problems += _log_problems(stack)
+            if cfg.metrics:
+                sent = sum(len(BATCHES[b][1]) for b in cfg.batches)
+                problems += _metrics_problems(stack, sent)
             assert not problems, f"{cfg.id}:\n" + "\n".join(problems)
             sent = " + ".join(f"{len(BATCHES[b][1])} {b}" for b in cfg.batches)
             print(

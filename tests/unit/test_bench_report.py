@@ -7,13 +7,13 @@ from sgl_nixl_plugin.bench.session import SessionConfig, SessionResult
 from sgl_nixl_plugin.bench.workload import PRESETS, Workload
 
 
-def _room(wall0: float, latency_ms: float) -> dict:
+def _room(wall0: float, latency_ms: float, mib: int = 1) -> dict:
     return {
         "ok": True,
         "latency_s": latency_ms / 1e3,
         "wall0": wall0,
         "wall1": wall0 + 1,
-        "bytes": 1 << 20,
+        "bytes": mib << 20,
     }
 
 
@@ -28,8 +28,18 @@ def test_the_first_request_is_reported_apart_from_the_steady_state():
     assert s["first_vs_steady_p50"] == 4.5
     assert s["time_to_ready_s"] == 0.8  # the slowest decode rank
     text = table([s])
-    assert "first request / steady p50" in text and "90.0 / 20.0 ms (4.50x)" in text
+    assert "first request / steady p50" in text and "90.0 / 20.0 ms (4.50x per byte)" in text
     assert "time to ready (decode)" in text and "800 ms" in text
+
+
+def test_the_ratio_compares_time_per_byte_since_requests_differ_in_size():
+    """A first request twice the size of the others, taking twice as long, is not cold."""
+    w = Workload(shape=PRESETS["tiny"], page_size=16, requests=3)
+    rooms = {1: _room(1.0, 40.0, mib=2), 2: _room(2.0, 20.0), 3: _room(3.0, 20.0)}
+    result = SessionResult(SessionConfig(w), 3.0, {}, {(0, 0): {"results": rooms}}, [])
+    s = summarize(result)
+    assert (s["first_request_ms"], s["steady_p50_ms"]) == (40.0, 20.0)
+    assert s["first_vs_steady_p50"] == 1.0
 
 
 def test_a_session_with_one_request_has_no_steady_state():

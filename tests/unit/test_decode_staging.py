@@ -33,7 +33,7 @@ def _staging():
     rejected, failed = [], []
     st = DecodeStaging(
         agent=_Agent(),
-        kv=SimpleNamespace(ptrs=[1 << 20], lens=[1 << 20]),
+        kv=SimpleNamespace(ptrs=[1 << 20], lens=[1 << 20], item_lens=[4096]),
         rooms=rooms,
         buffer=buffer,
         device=0,

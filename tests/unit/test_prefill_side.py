@@ -254,3 +254,27 @@ def test_an_abort_before_the_sender_exists_is_remembered_for_it(side):
     control.on_abort(Abort(99, "127.0.0.1", 7001, None, "prefill refused this decode"))
     assert side.ctx.early.claim(99) == "decode 127.0.0.1:7001: prefill refused this decode"
     assert side.ctx.early.claim(99) is None
+
+
+def test_a_finished_room_reports_where_its_time_went(side, monkeypatch, caplog):
+    """One DEBUG line per room and ``TransferEvent.timeline``: each step's milliseconds,
+    in order (ready, first chunk, first WRITE, WRITEs), adding up to the wall time."""
+    events: list[Any] = []
+    monkeypatch.setattr("sgl_nixl_plugin.adapter.context.registry.notify_transfer", events.append)
+    _destination(side)
+    rec = side.ctx.rooms.get(ROOM)
+    rec.ready_at, rec.started = rec.started, rec.started - 1e-3  # filed 1 ms before ready
+    side.worker._submit(_chunk())
+    side.engine.posted[0].state = "DONE"
+    with caplog.at_level("DEBUG", logger="sgl_nixl_plugin.adapter.context"):
+        side.worker._poll()
+    assert side.sg.concluded == [(ROOM, "success")]
+    (event,) = events
+    t = event.timeline
+    steps = ("to_ready_ms", "to_chunk_ms", "to_post_ms", "writes_ms")
+    assert set(steps) <= set(t) and t["to_ready_ms"] == 1.0
+    assert all(t[k] >= 0 for k in steps) and t["wall_ms"] > 0
+    assert abs(sum(t[k] for k in steps) - t["wall_ms"]) < 0.01
+    (line,) = [r.getMessage() for r in caplog.records if "sgl-nixl room" in r.getMessage()]
+    assert line.startswith(f"sgl-nixl room {ROOM}: ok peer={AGENT} path=direct bytes=256 ")
+    assert "wall_ms=" in line and "to_post_ms=" in line

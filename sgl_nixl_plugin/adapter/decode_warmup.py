@@ -1,0 +1,153 @@
+"""Decode warm-up: register with a prefill's ranks as soon as the decode learns of it.
+
+SGLang's decode registers with a prefill rank lazily, inside the first request's handshake,
+so NIXL's wire-up (linking the peer, the first WRITE) lands on that request. Here the decode
+registers with every rank it will talk to as soon as SGLang has the prefill's parallel info
+(``try_ensure_parallel_info``), in a thread of its own; each prefill rank links, WRITEs the
+decode's padding page (``TransferEngine.warm``) and replies. When SGLang's own registration
+follows, the prefill finds the same registration and only replies. ``ready(addr)`` says when
+every rank has replied, which a caller that can wait (the bench) uses to keep the wire-up
+apart from its first request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sgl_nixl_plugin.adapter import bootstrap_client
+
+logger = logging.getLogger(__name__)
+
+Endpoint = tuple[str, int]
+
+#: Route queries one warm-up may make (DP x CP x TP x PP ranks of one prefill).
+MAX_RANKS = 64
+#: A warm-up that has not heard from every rank by then is given up (the request path,
+#: which registers again, reports what is wrong).
+GIVE_UP_S = 10.0
+
+
+@dataclass
+class _Warming:
+    started: float
+    endpoints: frozenset[Endpoint] = frozenset()
+    waiting: set[Endpoint] = field(default_factory=set)
+    linked: set[Endpoint] = field(default_factory=set)  # accepted this decode
+    done_at: float | None = None
+
+
+class DecodeWarmup:
+    def __init__(
+        self,
+        send_frames: Callable[[Endpoint, list[Any]], bool],
+        registration: Callable[[], list[Any]],
+        prefill_info: Callable[[str], Any],
+        secret: bytes | None,
+    ) -> None:
+        self._send = send_frames
+        self._registration = registration
+        self._info = prefill_info
+        self._secret = secret
+        self._lock = threading.Lock()
+        self._by_addr: dict[str, _Warming] = {}
+
+    def start(self, addr: str) -> None:
+        """Warm ``addr`` once (again after ``forget``): a daemon thread asks its routes."""
+        with self._lock:
+            if addr in self._by_addr:
+                return
+            self._by_addr[addr] = _Warming(time.monotonic())
+        threading.Thread(
+            target=self._run, args=(addr,), name="sgl-nixl-warmup", daemon=True
+        ).start()
+
+    def ready(self, addr: str) -> bool:
+        """Every rank of ``addr`` replied to the warm-up registration (or it was given up)."""
+        with self._lock:
+            w = self._by_addr.get(addr)
+            if w is None:
+                return False
+            if w.done_at is None and time.monotonic() - w.started > GIVE_UP_S:
+                w.done_at = time.monotonic()
+                logger.warning("sgl-nixl: warm-up of prefill %s gave up after %ss", addr, GIVE_UP_S)
+            return w.done_at is not None
+
+    def warmed(self) -> int:
+        """Prefills whose every rank replied to the warm-up registration."""
+        with self._lock:
+            return sum(1 for w in self._by_addr.values() if w.endpoints and w.linked == w.endpoints)
+
+    def replied(self, endpoint: Endpoint, accepted: bool) -> None:
+        """A prefill rank answered a registration (accepted or not: either ends the wait;
+        so does a registration that could not be sent)."""
+        with self._lock:
+            for addr, w in self._by_addr.items():
+                if endpoint in w.waiting:
+                    w.waiting.discard(endpoint)
+                    if accepted:
+                        w.linked.add(endpoint)
+                    if not w.waiting and w.done_at is None:
+                        w.done_at = time.monotonic()
+                        logger.info(
+                            "sgl-nixl: prefill %s: %d of %d ranks linked and warmed in %.0f ms",
+                            addr,
+                            len(w.linked),
+                            len(w.endpoints),
+                            (w.done_at - w.started) * 1e3,
+                        )
+
+    def forget(self, endpoint: Endpoint) -> None:
+        """A prefill rank was lost or restarted: its prefill is warmed again next time."""
+        with self._lock:
+            for addr in [a for a, w in self._by_addr.items() if endpoint in w.endpoints]:
+                del self._by_addr[addr]
+
+    def _run(self, addr: str) -> None:
+        try:
+            endpoints = self._endpoints(addr)
+        except Exception as exc:  # a warm-up must never take the decode down
+            logger.debug("sgl-nixl: warm-up of prefill %s: %s", addr, exc)
+            endpoints = None
+        with self._lock:
+            w = self._by_addr.get(addr)
+            if w is None:
+                return
+            if not endpoints:
+                w.done_at = time.monotonic()  # nothing to wait for: requests register
+                return
+            w.endpoints, w.waiting = frozenset(endpoints), set(endpoints)
+        frames = self._registration()
+        for ep in sorted(endpoints):
+            if not self._send(ep, frames):
+                self.replied(ep, False)  # logged by the transport; the requests try again
+
+    def _endpoints(self, addr: str) -> set[Endpoint] | None:
+        """The prefill ranks this decode's requests to ``addr`` can go to."""
+        info = self._info(addr)
+        if info is None:
+            return None
+        tps = [t for t in (info.target_tp_ranks or [info.target_tp_rank]) if t is not None]
+        cps = list(info.target_cp_ranks or [0])
+        pps = list(info.target_pp_ranks or [0])
+        dps = range(max(1, int(info.dp_size or 1)))
+        if not tps or len(dps) * len(cps) * len(tps) * len(pps) > MAX_RANKS:
+            return None
+        out: set[Endpoint] = set()
+        for dp in dps:
+            for cp in cps:
+                for tp in tps:
+                    for pp in pps:
+                        query = (
+                            f"prefill_dp_rank={dp}&prefill_cp_rank={cp}"
+                            f"&target_tp_rank={tp}&target_pp_rank={pp}"
+                        )
+                        route = bootstrap_client.get_route(addr, query, self._secret)
+                        if route is None:
+                            return None
+                        out.add((str(route["rank_ip"]), int(route["rank_port"])))
+        return out

@@ -1,0 +1,103 @@
+"""The decode's warm-up: which prefill ranks it registers with, and when a prefill is ready."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from helpers.waiting import poll_until
+
+from sgl_nixl_plugin.adapter import decode_warmup
+from sgl_nixl_plugin.adapter.decode_warmup import DecodeWarmup
+
+ADDR = "127.0.0.1:8998"
+
+
+def _info(tp: list[int], dp: int = 1) -> Any:
+    return SimpleNamespace(
+        target_tp_ranks=tp, target_tp_rank=tp[0], target_cp_ranks=[0], target_pp_ranks=[0],
+        dp_size=dp,
+    )  # fmt: skip
+
+
+class Harness:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, info: Any, send_ok: bool = True) -> None:
+        self.queries: list[str] = []
+        self.sent: list[tuple[tuple[str, int], list[Any]]] = []
+        self.done = threading.Event()
+
+        def get_route(addr: str, query: str, secret: bytes | None) -> dict | None:
+            self.queries.append(query)
+            tp = int(query.split("target_tp_rank=")[1].split("&")[0])
+            dp = int(query.split("prefill_dp_rank=")[1].split("&")[0])
+            return {"rank_ip": "127.0.0.1", "rank_port": 9000 + 10 * dp + tp}
+
+        def send(ep: tuple[str, int], frames: list[Any]) -> bool:
+            self.sent.append((ep, frames))
+            if len(self.sent) == self.expected:
+                self.done.set()
+            return send_ok
+
+        monkeypatch.setattr(decode_warmup.bootstrap_client, "get_route", get_route)
+        self.expected = 0
+        self.warmup = DecodeWarmup(send, lambda: [b"registration"], lambda a: info, None)
+
+    def start(self, expected: int) -> None:
+        self.expected = expected
+        self.warmup.start(ADDR)
+        assert self.done.wait(10), f"{len(self.sent)} of {expected} registrations sent"
+
+
+def test_every_rank_is_registered_with_and_the_prefill_is_ready_once_all_replied(monkeypatch):
+    h = Harness(monkeypatch, _info([0, 1], dp=2))
+    h.start(expected=4)
+    assert sorted(ep for ep, _ in h.sent) == [("127.0.0.1", p) for p in (9000, 9001, 9010, 9011)]
+    assert all(frames == [b"registration"] for _, frames in h.sent)
+    h.warmup.start(ADDR)  # once per prefill
+    assert len(h.queries) == 4
+    for port in (9000, 9001, 9010):
+        h.warmup.replied(("127.0.0.1", port), True)
+    assert not h.warmup.ready(ADDR) and h.warmup.warmed() == 0
+    h.warmup.replied(("127.0.0.1", 9011), False)  # a refusal ends the wait, links nothing
+    assert h.warmup.ready(ADDR) and h.warmup.warmed() == 0
+    h.warmup.forget(("127.0.0.1", 9011))
+    h.done.clear()
+    h.start(expected=8)
+    for port in (9000, 9001, 9010):
+        h.warmup.replied(("127.0.0.1", port), True)
+    h.warmup.replied(("127.0.0.1", 9011), True)
+    assert h.warmup.ready(ADDR) and h.warmup.warmed() == 1
+
+
+def test_a_lost_rank_makes_its_prefill_warm_again_next_time(monkeypatch):
+    h = Harness(monkeypatch, _info([0]))
+    h.start(expected=1)
+    h.warmup.replied(("127.0.0.1", 9000), True)
+    assert h.warmup.ready(ADDR)
+    h.warmup.forget(("127.0.0.1", 9000))
+    assert not h.warmup.ready(ADDR)
+    h.done.clear()
+    h.start(expected=2)
+    assert len(h.sent) == 2
+
+
+def test_a_registration_that_cannot_be_sent_does_not_hold_the_prefill_back(monkeypatch):
+    h = Harness(monkeypatch, _info([0]), send_ok=False)
+    h.start(expected=1)
+    # the request path registers again and reports the error
+    poll_until(lambda: h.warmup.ready(ADDR), timeout=10, what="ready after a failed send")
+    assert h.warmup.warmed() == 0
+
+
+def test_a_prefill_beyond_the_rank_bound_is_left_to_the_requests(monkeypatch):
+    h = Harness(monkeypatch, _info(list(range(decode_warmup.MAX_RANKS + 1))))
+    h.warmup.start(ADDR)
+    poll_until(lambda: h.warmup.ready(ADDR), timeout=10, what="a warm-up left to the requests")
+    assert h.queries == [] and h.sent == []
+
+
+def test_an_unknown_prefill_is_not_ready():
+    w = DecodeWarmup(lambda ep, f: True, lambda: [], lambda a: None, None)
+    assert not w.ready(ADDR)
