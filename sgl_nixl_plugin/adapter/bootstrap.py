@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
 
 from sgl_nixl_plugin import metrics
@@ -76,9 +77,33 @@ def _needs_auth(request: web.Request) -> bool:
     return request.path == "/register_dp_rank"
 
 
+class OneLineHttpErrors(logging.Filter):
+    """aiohttp logs a request it cannot parse (broken framing, or not HTTP at all) with a
+    traceback, from below our handlers; an operator's log must show such a refusal as one
+    line, like every other refusal, not as a stack trace that looks like a bug. Errors that
+    are not parse errors keep their traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            metrics.rejected("http_bad_framing")
+            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.msg = "sgl-nixl bootstrap: %d for a malformed HTTP request from %s: %s"
+            record.args = (exc.code, peer, str(exc.message).splitlines()[0][:200])
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_AIOHTTP_FILTER = OneLineHttpErrors()
+
+
 class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
     def _setup_routes(self) -> None:
         self.secret = read_secret()
+        server_log = logging.getLogger("aiohttp.server")
+        if _AIOHTTP_FILTER not in server_log.filters:
+            server_log.addFilter(_AIOHTTP_FILTER)
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=[self._guard])
         super()._setup_routes()
 

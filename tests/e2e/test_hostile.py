@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import queue
 import random
 import re
+import socket
 import sys
 import threading
 import time
@@ -1232,3 +1234,53 @@ def test_decode_drops_forged_statuses_and_pieces(hostile: HostileRun) -> None:
     assert tables["request_status"] == tables["failure_records"] == 0, tables
     assert len(hostile.forged_rooms) == 200
     assert not [room for room in hostile.forged_rooms if str(room) in hostile.log]
+
+
+def _raw_garbage(rng: random.Random, n: int) -> list[bytes]:
+    """Bytes on the socket that are not a well-formed HTTP request."""
+    good = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    forms = [
+        lambda: rng.randbytes(rng.randrange(1, 400)),
+        lambda: b"GET /route HTTP/9.9\r\n\r\n",
+        lambda: b"PUT /route HTTP/1.1\r\nContent-Length: 99999999999999999999\r\n\r\n{}",
+        lambda: b"POST /register_dp_rank HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        lambda: b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n",
+        lambda: b"GET /health HTTP/1.1\r\n" + b"X: " + b"b" * 20000 + b"\r\n\r\n",
+        lambda: b"\x00\xff" + good,
+        lambda: good[: rng.randrange(1, len(good))],
+        lambda: b"GET /health HTTP/1.1\r\nHost x\r\n\r\n",
+    ]
+    return [rng.choice(forms)() for _ in range(n)]
+
+
+def test_bootstrap_fuzz_leaves_no_traceback_in_the_log(
+    bootstrap: Bootstrap, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Garbage HTTP is refused in one log line per request, never with a traceback: neither
+    our handlers nor aiohttp's request handling may log one (an operator's log must not fill
+    with stack traces that look like bugs)."""
+    rng = random.Random(20261201)
+    tally = HttpTally()
+    before = rejected_counts()
+    port = int(bootstrap.url.rsplit(":", 1)[1])
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(300):
+            method, path, body = _random_request(rng)
+            tally.check(bootstrap.call(method, path, body), f"{method} {path[:80]}")
+        for raw in _raw_garbage(rng, 100):  # not HTTP at all, or broken framing
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(raw)
+                s.shutdown(socket.SHUT_WR)
+                while s.recv(65536):
+                    pass
+        assert _health(bootstrap)
+    out, err = capfd.readouterr()
+    traced = [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+    assert not traced, [(r.name, r.getMessage()[:200]) for r in traced[:5]]
+    assert "Traceback" not in out + err, (out + err)[:2000]
+    assert tally.refusals > 100
+    # each unparsable request: one WARNING line, counted
+    lines = [r for r in caplog.records if "malformed HTTP request from" in r.getMessage()]
+    assert all(r.levelname == "WARNING" for r in lines)
+    bad = rejected_counts()["http_bad_framing"] - before["http_bad_framing"]
+    assert bad == len(lines) > 30, (bad, len(lines))
