@@ -72,10 +72,12 @@ class DecodeListener(ControlLoop):
     def _dispatch(self, msg: Any) -> None:
         ctx, staging, rooms = self.ctx, self.ctx.staging, self.ctx.rooms
         if isinstance(msg, TransferStatus):
+            rooms.mark(msg.room, "status")
             if staging is not None and rooms.is_staged(msg.room):
                 staging.submit(msg)  # after the room's pieces already queued for scatter
             else:
                 ctx.sglang.apply_status(msg.room, msg.status, msg.prefill_rank, msg.reason)
+                rooms.mark(msg.room, "applied")
         elif isinstance(msg, PieceReady | SlotAsk | SlotReturn) and staging is None:
             ctx.reject("unexpected", f"{type(msg).__name__} without staging")
         elif isinstance(msg, PieceReady):

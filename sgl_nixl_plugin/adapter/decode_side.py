@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -15,6 +17,8 @@ from sgl_nixl_plugin.adapter.decode_staging import DecodeStaging
 from sgl_nixl_plugin.wire.messages import StagingArea
 
 Endpoint = tuple[str, int]
+
+logger = logging.getLogger(__name__)
 
 
 class DecodeSide:
@@ -52,6 +56,17 @@ class DecodeSide:
 
     def close_room(self, room: int, ok: bool) -> None:
         """SGLang cleared the receiver: the room's record goes, its slots return."""
+        rec = self.ctx.rooms.get(room)
+        if rec is not None and logger.isEnabledFor(logging.DEBUG):
+            t = rec.timeline(time.perf_counter())
+            logger.debug(
+                "sgl-nixl decode room %s: %s staged=%s senders=%d %s",
+                room,
+                "ok" if ok else "failed",
+                rec.staged,
+                rec.senders,
+                " ".join(f"{k}={v:g}" for k, v in t.items()),
+            )
         grants = self.ctx.rooms.close(room, ok)
         if self.ctx.staging is not None:
             self.ctx.staging.messenger(grants)

@@ -174,6 +174,7 @@ class DecodeStaging:
                 continue
             try:
                 if isinstance(msg, PieceReady):
+                    self.rooms.mark(msg.room, "first_piece", first=True)
                     self._launch(msg)
                 elif isinstance(msg, _Prepare):
                     self._prepare(msg.room)
@@ -201,6 +202,7 @@ class DecodeStaging:
                         self._note_abort_ack(item.room, item.prefill_rank, item.generation)
                     else:
                         self._apply_status(item)
+                        self.rooms.mark(item.room, "applied")
                         if item.status == SUCCESS:
                             self.messenger(self.rooms.sender_done(item.room, (item.ip, item.port)))
                 except Exception:

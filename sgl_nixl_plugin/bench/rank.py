@@ -362,7 +362,7 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
             if status == KVPoll.WaitingForInput and not ctx["sent"]:
                 ctx["sent"] = True
                 t = time.perf_counter()
-                ctx["ready_seen"] = t
+                ctx["ready_seen"], ctx["send_wall"] = t, time.time()
                 sender.init(len(ctx["pages"]), ctx["slot"])
                 ctx["parts"] = np.array_split(ctx["pages"], r.chunks)
                 ctx["next"], ctx["next_at"] = 0, t + r.send_delay_ms * 1e-3
@@ -402,6 +402,7 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
                     )
                 results[room] = {
                     "ok": status == KVPoll.Success,
+                    "send_wall": ctx.get("send_wall"),
                     "reason": reason,
                     "control_us": ctx.get("control_us", 0.0),
                     "descriptors": getattr(ev, "descriptors", None),

@@ -55,6 +55,9 @@ def summarize(result: SessionResult) -> dict[str, Any]:
         "steady_p50_ms": steady_p50,
         "first_vs_steady_p50": first_vs_steady,
         "time_to_ready_s": max(ready) if ready else None,
+        # rooms whose prefill sent after the decode's request arrived (not transfer time)
+        "prefill_late_rooms": sum(1 for r in ok if r.get("prefill_late_s")),
+        "prefill_late_ms_max": max((r.get("prefill_late_s", 0.0) * 1e3 for r in ok), default=0.0),
         "descriptors_per_request": float(np.mean(desc)) if desc else None,
         "control_us_per_request": float(np.median(ctl)) if ctl else None,
         "path": ",".join(paths) or "-",

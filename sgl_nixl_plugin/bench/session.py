@@ -87,6 +87,19 @@ class SessionResult:
                             prev[k] = prev.get(k, 0) + r[k]
                     prev["latency_s"] = max(prev.get("latency_s", 0), r.get("latency_s", 0))
                     prev["reason"] = prev.get("reason") or r.get("reason")
+        # The clock of a transfer starts once both sides are ready: the decode's request sent
+        # and the prefill's first send() (its "forward pass", here filling the pages, may end
+        # after the request arrived); the part spent waiting for the prefill is kept apart.
+        sent: dict[int, float] = {}
+        for res in self.prefill.values():
+            for room, r in res.get("results", {}).items():
+                if r.get("send_wall") is not None:
+                    sent[room] = max(sent.get(room, 0.0), r["send_wall"])
+        for room, r in out.items():
+            late = max(0.0, sent.get(room, 0.0) - r.get("wall0", 0.0))
+            if late and "latency_s" in r:
+                r["prefill_late_s"] = min(late, r["latency_s"])
+                r["latency_s"] -= r["prefill_late_s"]
         return out
 
 

@@ -59,6 +59,24 @@ class DecodeRoom:
     staged: bool = False  # it held slots: its statuses queue behind its scatters
     recalled: bool = False  # a SlotRecall for it is out and not yet answered
     units: dict[tuple[int, int, int], Any] = field(default_factory=dict)
+    times: dict[str, float] = field(default_factory=dict)  # step -> perf_counter (timeline)
+
+    def timeline(self, ended: float) -> dict[str, float]:
+        """Milliseconds: request sent to the first staged piece, to the last prefill status,
+        that status to SGLang seeing it (behind the scatters), and to the room's clearing."""
+        t = self.times
+
+        def ms(a: str, b: str | None) -> float:
+            end = ended if b is None else t.get(b, 0.0)
+            return round((end - t[a]) * 1e3, 3) if a in t and end else 0.0
+
+        return {
+            "to_first_piece_ms": ms("requested", "first_piece"),
+            "to_status_ms": ms("requested", "status"),
+            "status_to_applied_ms": ms("status", "applied"),
+            "applied_to_clear_ms": ms("applied", None),
+            "wall_ms": ms("requested", None),
+        }
 
 
 @dataclass
@@ -109,6 +127,12 @@ class DecodeRooms:
     def get(self, room: int) -> DecodeRoom | None:
         return self._rooms.get(room)
 
+    def mark(self, room: int, step: str, first: bool = False) -> None:
+        """``step`` of ``room`` happened now (``first``: keep the earliest, else the latest)."""
+        rec = self._rooms.get(room)
+        if rec is not None and not (first and step in rec.times):
+            rec.times[step] = time.perf_counter()
+
     def __contains__(self, room: int) -> bool:
         return room in self._rooms
 
@@ -133,6 +157,7 @@ class DecodeRooms:
         """SGLang is about to send one request per prefill rank, in this order."""
         with self.lock:
             rec = self._rooms.get(room) or self.open(room, set(targets))
+            rec.times.setdefault("requested", time.perf_counter())
             rec.targets = deque(targets)
 
     def next_target(self, room: int) -> Endpoint | None:

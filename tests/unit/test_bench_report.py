@@ -51,3 +51,15 @@ def test_a_session_with_one_request_has_no_steady_state():
     assert (s["first_request_ms"], s["steady_p50_ms"], s["first_vs_steady_p50"]) == (50.0, 0.0, 0.0)
     row = next(line for line in table([s]).splitlines() if line.startswith("time to ready"))
     assert s["time_to_ready_s"] is None and row.split()[-1] == "-"
+
+
+def test_a_transfer_is_timed_from_when_both_sides_are_ready():
+    """A prefill that sends (ends its forward pass) after the decode's request arrived: the
+    wait for it is kept apart, not counted as transfer time; a prefill already waiting
+    changes nothing."""
+    w = Workload(shape=PRESETS["tiny"], page_size=16, requests=2)
+    decode = {(0, 0): {"results": {1: _room(10.0, 600.0), 2: _room(20.0, 30.0)}}}
+    prefill = {(0, 0): {"results": {1: {"ok": True, "send_wall": 10.5}, 2: {"send_wall": 19.0}}}}
+    rooms = SessionResult(SessionConfig(w), 30.0, prefill, decode, []).decode_results()
+    assert round(rooms[1]["latency_s"], 6) == 0.1 and round(rooms[1]["prefill_late_s"], 6) == 0.5
+    assert rooms[2]["latency_s"] == 0.03 and "prefill_late_s" not in rooms[2]

@@ -165,3 +165,23 @@ def test_unit_caches_and_pages_die_with_the_room():
     rooms.close(7, ok=True)
     assert rooms.cached_units(7, (0, -1, 1)) is None and not rooms.cache_units(7, (0, -1, 1), "x")
     assert "not granted" in rooms.piece_target(7, 0)[0]
+
+
+def test_a_room_timeline_orders_its_steps_and_keeps_the_first_piece():
+    rooms = DecodeRooms(4)
+    rooms.open(7, {P5})
+    rooms.start_requests(7, [P5])
+    rec = rooms.get(7)
+    rooms.mark(7, "first_piece", first=True)
+    first = rec.times["first_piece"]
+    rooms.mark(7, "first_piece", first=True)  # a later piece does not move it
+    rooms.mark(7, "status")
+    rooms.mark(7, "applied")
+    assert rec.times["first_piece"] == first
+    t = rec.timeline(rec.times["applied"] + 0.002)
+    assert t["applied_to_clear_ms"] == 2.0
+    assert 0 <= t["to_first_piece_ms"] <= t["to_status_ms"] <= t["wall_ms"]
+    assert t["status_to_applied_ms"] >= 0
+    rooms.mark(99, "status")  # an unknown room: nothing to mark, nothing raised
+    rooms.close(7, ok=True)
+    _drained(rooms)
