@@ -78,7 +78,7 @@ class DecodeWarmup:
             return w.done_at is not None
 
     def warmed(self) -> int:
-        """Prefills whose every rank replied to the warm-up registration."""
+        """Prefills whose every rank accepted the warm-up registration (linked and warmed)."""
         with self._lock:
             return sum(1 for w in self._by_addr.values() if w.endpoints and w.linked == w.endpoints)
 
