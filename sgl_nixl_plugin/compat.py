@@ -1,14 +1,15 @@
 """Which SGLang releases this plugin supports, and the SGLang interfaces it relies on.
 
-This is the single place that names the supported SGLang range. SGLang's disaggregation
-classes change between releases (constructor and ``send`` parameters moved in 0.5.20-0.5.22),
-so the plugin pins a range *and* checks, at start-up, that every signature it calls into
-still looks the way it did in the release we tested. Both checks return plain problem
+This is the single place that names the supported SGLang releases. SGLang's disaggregation
+classes change between releases (the sender's constructor in 0.5.22, the abort-ACK API in
+0.5.22, the backend template moved into SGLang's common classes in 0.5.23), so each
+supported release maps to a contract module (``adapter/releases``) with that release's
+signatures and our classes composed for it; at start-up the bridge checks that every
+signature still looks the way it does in that release. Both checks return plain problem
 strings so the bridge, the CLI and the tests can all report them the same way.
 
-Importing this module is cheap: the interfaces themselves are checked by
-``sgl_nixl_plugin.adapter.contract`` (the SGLang facade), imported only for a supported
-version.
+Importing this module is cheap: the release modules import SGLang and are imported only
+for a supported version.
 """
 
 from __future__ import annotations
@@ -20,10 +21,17 @@ from packaging.version import InvalidVersion, Version
 
 from sgl_nixl_plugin import settings
 
-#: The SGLang releases this plugin supports. Keep in step with ``[project.optional-dependencies]
-#: sglang`` in pyproject.toml.
-SUPPORTED_SGLANG = ">=0.5.23,<0.5.24"
-#: The release the signatures below were read from (what the fix text tells users to install).
+#: Each supported SGLang release (``major.minor.micro``; its post-releases too) and the
+#: module of ``sgl_nixl_plugin.adapter.releases`` that serves it.
+CONTRACTS: dict[str, str] = {
+    "0.5.21": "sglang_0_5_21",
+    "0.5.22": "sglang_0_5_22",
+    "0.5.23": "sglang_0_5_23",
+}
+#: The same releases as a range. Keep in step with ``CONTRACTS`` and with
+#: ``[project.optional-dependencies] sglang`` in pyproject.toml (a test checks both).
+SUPPORTED_SGLANG = ">=0.5.21,<0.5.24"
+#: The newest supported release (what the fix text tells users to install).
 TESTED_SGLANG = "0.5.23"
 SUPPORTED_SPECIFIER = SpecifierSet(SUPPORTED_SGLANG)
 
@@ -51,6 +59,19 @@ def installed_sglang_version() -> str | None:
         return None
 
 
+def contract_for(version: str | None) -> str | None:
+    """The release module serving SGLang ``version``, or None when it is not supported."""
+    if version is None:
+        return None
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        return None
+    if not SUPPORTED_SPECIFIER.contains(parsed, prereleases=True):
+        return None
+    return CONTRACTS.get(".".join(str(n) for n in (parsed.release + (0, 0, 0))[:3]))
+
+
 def check_version(version: str | None = None) -> list[str]:
     """Problems with the installed (or given) SGLang version; empty when it is supported."""
     found = installed_sglang_version() if version is None else version
@@ -59,16 +80,16 @@ def check_version(version: str | None = None) -> list[str]:
             f"SGLang is not installed; sgl-nixl-plugin needs SGLang {SUPPORTED_SGLANG}. {FIX_HINT}"
         ]
     try:
-        parsed = Version(found)
+        Version(found)
     except InvalidVersion:
         return [
             f"installed SGLang version {found!r} is not a valid version; supported range is "
             f"{SUPPORTED_SGLANG}. {FIX_HINT}"
         ]
-    if not SUPPORTED_SPECIFIER.contains(parsed, prereleases=True):
+    if contract_for(found) is None:
         return [
-            f"installed SGLang {found} is outside the supported range {SUPPORTED_SGLANG}. "
-            f"{FIX_HINT}"
+            f"installed SGLang {found} is not a supported release (supported: "
+            f"{', '.join(CONTRACTS)}, i.e. {SUPPORTED_SGLANG}). {FIX_HINT}"
         ]
     return []
 
@@ -82,13 +103,20 @@ def check_sglang() -> list[str]:
     problems = check_version()
     if problems:
         return problems
-    from sgl_nixl_plugin.adapter import contract  # the only part that imports SGLang
+    from sgl_nixl_plugin.adapter import contract, releases  # these import SGLang
 
-    problems = contract.check_signatures()
+    found = installed_sglang_version()
+    try:
+        release = releases.load(str(contract_for(found)))
+    except Exception as exc:  # an SGLang whose modules do not even import as expected
+        release = None
+        problems = [f"cannot load the contract for SGLang {found}: {type(exc).__name__}: {exc}"]
+    else:
+        problems = contract.check_signatures(release.SIGNATURES)
     if problems:
-        found = installed_sglang_version()
+        expected = release.RELEASE if release is not None else found
         problems.append(
-            f"installed SGLang {found} is in the supported range {SUPPORTED_SGLANG} but its "
-            f"interfaces differ from {TESTED_SGLANG}'s. {FIX_HINT}"
+            f"installed SGLang {found} is a supported release but its interfaces differ "
+            f"from {expected}'s. {FIX_HINT}"
         )
     return problems

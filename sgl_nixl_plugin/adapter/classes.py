@@ -1,9 +1,16 @@
-"""Where the bridge finds our four SGLang classes (one import for all of them)."""
+"""Where the bridge finds our four SGLang classes: those of the installed SGLang release."""
 
-from sgl_nixl_plugin.adapter.bootstrap import NixlPluginKVBootstrapServer
-from sgl_nixl_plugin.adapter.manager import NixlPluginKVManager
-from sgl_nixl_plugin.adapter.receiver import NixlPluginKVReceiver
-from sgl_nixl_plugin.adapter.sender import NixlPluginKVSender
+from sgl_nixl_plugin import compat
+from sgl_nixl_plugin.adapter import releases
+
+_name = compat.contract_for(compat.installed_sglang_version())
+if _name is None:  # the bridge checks the version first; this is a direct import
+    raise ImportError(" ".join(compat.check_version()))
+_release = releases.load(_name)
+NixlPluginKVBootstrapServer = _release.NixlPluginKVBootstrapServer
+NixlPluginKVManager = _release.NixlPluginKVManager
+NixlPluginKVReceiver = _release.NixlPluginKVReceiver
+NixlPluginKVSender = _release.NixlPluginKVSender
 
 __all__ = [
     "NixlPluginKVBootstrapServer",

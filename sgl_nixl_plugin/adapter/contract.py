@@ -1,9 +1,10 @@
-"""The SGLang interfaces this plugin relies on, as read from SGLang 0.5.23.
+"""The SGLang interfaces this plugin relies on, and how to check them.
 
 SGLang's disaggregation classes change between releases, so the bridge checks at start-up
-that every signature we call into or override still looks the way it did in the tested
-release, and refuses to register otherwise (rather than fail on the first request). The
-supported version range is ``sgl_nixl_plugin.compat``'s.
+that every signature we call into or override looks the way it does in the release the
+installed version maps to (``adapter/releases``, one module per release), and refuses to
+register otherwise rather than fail on the first request. The supported releases are
+``sgl_nixl_plugin.compat``'s.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ReliedSignature:
-    """One SGLang callable whose parameters we call with or override, as seen in 0.5.23.
+    """One SGLang callable whose parameters we call with or override.
 
     ``target`` is ``"module:qualname"``; ``expected`` is the signature rendered by
     :func:`render_signature` (names, kinds and simple defaults; annotations ignored).
@@ -29,42 +30,71 @@ class ReliedSignature:
 
 _COMMON = "sglang.srt.disaggregation.common.conn"
 
-#: Every SGLang signature the plugin depends on. A mismatch means SGLang changed an interface
-#: under us: the bridge then refuses to register rather than fail on the first request.
-RELIED_SIGNATURES: tuple[ReliedSignature, ...] = (
-    ReliedSignature(
-        f"{_COMMON}:CommonKVManager.__init__",
+
+def relied(qualname: str, expected: str) -> ReliedSignature:
+    """A signature of SGLang's common disaggregation module (``common/conn.py``)."""
+    return ReliedSignature(f"{_COMMON}:{qualname}", expected)
+
+
+#: Signatures every supported release shares. Each release module (``adapter/releases``)
+#: adds its own and checks the sum: a mismatch means SGLang changed an interface under us,
+#: and the bridge then refuses to register rather than fail on the first request.
+SHARED: tuple[ReliedSignature, ...] = (
+    relied(
+        "CommonKVManager.__init__",
         "(self, args, disaggregation_mode, server_args, is_mla_backend=False)",
     ),
-    ReliedSignature(
-        f"{_COMMON}:CommonKVManager.build_receiver_metadata_message",
-        "(self, *, bootstrap_room, required_dst_info_num, kv_indices, aux_index, "
-        "state_indices, decode_prefix_len, is_dummy, device_kv_indices=None)",
+    relied("CommonKVManager.record_failure", "(self, bootstrap_room, failure_reason)"),
+    relied("CommonKVManager.try_ensure_parallel_info", "(self, bootstrap_addr)"),
+    relied(
+        "CommonKVManager.apply_prefill_status",
+        "(self, *, bootstrap_room, status, prefill_rank, failure_reason=None)",
     ),
-    ReliedSignature(
-        f"{_COMMON}:CommonKVManager.record_failure", "(self, bootstrap_room, failure_reason)"
+    relied(
+        "CommonKVManager.conclude_transfer",
+        "(self, *, bootstrap_room, status, targets=None, failure_reason=None)",
     ),
-    ReliedSignature(
-        f"{_COMMON}:CommonKVSender.__init__",
-        "(self, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=False)",
+    relied(
+        "CommonKVManager.conclude_failure",
+        "(self, *, bootstrap_room, failure_reason, targets=None)",
     ),
-    ReliedSignature(
-        f"{_COMMON}:CommonKVSender.send",
-        "(self, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None)",
+    relied("CommonKVManager.register_deferred_abort_room", "(self, bootstrap_room)"),
+    relied("CommonKVManager._maybe_ack_drained_abort", "(self, room)"),
+    relied("CommonKVReceiver.__init__", "(self, mgr, bootstrap_addr, bootstrap_room=None)"),
+    relied("CommonKVReceiver.init", "(self, prefill_dp_rank)"),
+    relied("CommonKVReceiver._send_abort_notification", "(self, *, force_arm=False)"),
+    relied(
+        "CommonKVReceiver._get_bootstrap_info_from_server",
+        "(self, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank)",
     ),
-    ReliedSignature(
-        f"{_COMMON}:CommonKVReceiver.__init__",
-        "(self, mgr, bootstrap_addr, bootstrap_room=None)",
-    ),
-    ReliedSignature(
-        f"{_COMMON}:CommonKVReceiver.send_metadata",
-        "(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, "
-        "destination=KVTransferDestination.DEVICE, device_kv_indices=None)",
-    ),
-    ReliedSignature(f"{_COMMON}:CommonKVBootstrapServer.__init__", "(self, host, port)"),
+    relied("CommonKVBootstrapServer.__init__", "(self, host, port)"),
     ReliedSignature(
         "sglang.srt.disaggregation.utils:get_kv_class", "(transfer_backend, class_type)"
     ),
+)
+
+#: The abort-ACK API with generations (0.5.22 and later).
+GENERATION_ACKS: tuple[ReliedSignature, ...] = (
+    relied("CommonKVManager.register_deferred_ack_target", "(self, room, target)"),
+    relied("CommonKVManager.note_abort_ack", "(self, bootstrap_room, prefill_rank, generation)"),
+    relied("CommonKVManager._send_abort_ack", "(self, room, target)"),
+)
+
+#: What ``adapter.template`` calls into (0.5.21 and 0.5.22, whose backends write ``send``,
+#: ``poll``, registration and ``send_metadata`` themselves).
+TEMPLATE: tuple[ReliedSignature, ...] = (
+    relied("CommonKVSender.send", "(self, kv_indices, state_indices=None, num_kv_tokens=None)"),
+    relied("CommonKVSender._prepare_send_indices", "(self, kv_indices, state_indices=None)"),
+    relied("CommonKVSender._record_transfer_indices", "(self, kv_indices, state_indices)"),
+    relied("CommonKVSender._check_bootstrap_timeout", "(self)"),
+    relied(
+        "CommonKVReceiver.send_metadata",
+        "(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, "
+        "destination=KVTransferDestination.DEVICE)",
+    ),
+    relied("CommonKVReceiver._connect_to_bootstrap_server", "(bootstrap_info)"),
+    relied("CommonKVReceiver.invalidate_cached_bootstrap_infos", "(self)"),
+    relied("CommonKVReceiver._check_waiting_timeout", "(self)"),
 )
 
 #: Names the bridge uses besides the signatures above (missing = the plugin seam moved).
@@ -134,14 +164,15 @@ def resolve(target: str) -> Any:
     return obj
 
 
-def check_signatures() -> list[str]:
-    """Problems with the SGLang interfaces we rely on; empty when all match 0.5.23's.
+def check_signatures(signatures: tuple[ReliedSignature, ...]) -> list[str]:
+    """Problems with the SGLang interfaces we rely on; empty when all match ``signatures``
+    (a release module's ``SIGNATURES``).
 
     Imports SGLang's disaggregation modules (seconds, pulls in torch): call it only once
     SGLang itself is being loaded, or from the doctor.
     """
     problems: list[str] = []
-    for relied in RELIED_SIGNATURES:
+    for relied in signatures:
         try:
             found = render_signature(inspect.signature(resolve(relied.target)))
         except Exception as exc:  # any failure is a reportable problem

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.common.conn import AckTarget, CommonKVManager
+from sglang.srt.disaggregation.common.conn import CommonKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sgl_nixl_plugin import metrics
@@ -33,6 +33,7 @@ from sgl_nixl_plugin.adapter.memory import (
 )
 from sgl_nixl_plugin.adapter.prefill_side import PrefillSide
 from sgl_nixl_plugin.adapter.sglang_rooms import (
+    AbortTarget,
     SGLangRooms,
     receiver_socket,
     sglang_table_sizes,
@@ -61,6 +62,8 @@ logger = logging.getLogger(__name__)
 class NixlPluginKVManager(CommonKVManager):
     supports_deferred_decode_kv_release = True
     reports_transfer_latency = True
+    #: How our threads reach SGLang's tables (a release with other table APIs swaps it).
+    facade: type[SGLangRooms] = SGLangRooms
 
     prefill: PrefillSide
     decode: DecodeSide
@@ -119,7 +122,7 @@ class NixlPluginKVManager(CommonKVManager):
             codec=self.codec,
             transport=self.transport,
             engine=self.engine,
-            sglang=SGLangRooms(self),
+            sglang=self.facade(self),
             zmq_ctx=self._zmq_ctx,
             server_socket=self.server_socket,
             mem_kind=self.kv_mem_kind,
@@ -259,7 +262,7 @@ class NixlPluginKVManager(CommonKVManager):
         m = decoded.msg
         return m.room, m.status, m.prefill_rank, m.reason or None
 
-    def _send_abort_ack(self, room: int, target: AckTarget) -> None:
+    def _send_abort_ack(self, room: int, target: AbortTarget) -> None:
         self.transport.send(
             (target.ip, target.port), AbortAck(room, self.prefill_rank_id, target.generation)
         )

@@ -59,15 +59,17 @@ class NixlPluginKVReceiver(CommonKVReceiver):
         return info
 
     def _clear(self) -> None:
-        mgr = self.kv_mgr
-        ok = mgr.request_status.get(self.bootstrap_room) == KVPoll.Success
+        ok = self._succeeded()
         super()._clear()
-        mgr.decode.close_room(self.bootstrap_room, ok)
+        self.kv_mgr.decode.close_room(self.bootstrap_room, ok)
+
+    def _succeeded(self) -> bool:
+        return self.kv_mgr.request_status.get(self.bootstrap_room) == KVPoll.Success
 
     def _send_abort_notification(self, *, force_arm: bool = False) -> None:
         mgr = self.kv_mgr
         if mgr.enable_deferred_decode_kv_release and (force_arm or self.init_time is not None):
-            self._abort_generation = mgr.register_deferred_abort_room(self.bootstrap_room)
+            self._abort_generation = mgr.decode.ctx.sglang.arm_abort(self.bootstrap_room)
         msg = Abort(self.bootstrap_room, mgr.local_ip, int(mgr.rank_port), self._abort_generation)
         for info in self.bootstrap_infos or []:
             mgr.transport.send((info["rank_ip"], int(info["rank_port"])), msg)

@@ -10,15 +10,24 @@ else (docs/sglang-contract-audit.md).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.common.conn import AckTarget, CommonKVReceiver
+from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 from sglang.srt.utils.network import NetworkAddress
 
 from sgl_nixl_plugin.protocol.prefill_rooms import TransferInfo
 
 Endpoint = tuple[str, int]
+
+
+class AbortTarget(NamedTuple):
+    """Who gets a drained abort's ACK: the fields of SGLang's ``AckTarget`` (0.5.22+)."""
+
+    ip: str
+    port: int
+    generation: int
+
 
 #: SGLang's per-room tables on the manager: every one returns to empty once all rooms ended.
 SGLANG_ROOM_TABLES = (
@@ -31,6 +40,7 @@ SGLANG_ROOM_TABLES = (
     "required_prefill_response_num_table",
     "prefill_response_tracker",
     "_deferred_abort_ack_tracker",
+    "_deferred_ack_fanout_snapshots",  # SGLang 0.5.21
 )
 
 
@@ -129,13 +139,17 @@ class SGLangRooms:
         self._m._maybe_ack_drained_abort(room)
 
     def ack_abort_when_drained(self, room: int, ip: str, port: int, generation: int) -> None:
-        self._m.register_deferred_ack_target(room, AckTarget(ip, port, generation))
+        self._m.register_deferred_ack_target(room, AbortTarget(ip, port, generation))
         self._m._maybe_ack_drained_abort(room)
 
     def check_aux_count(self, agent: str, count: int) -> None:
         self._m.check_peer_aux_buffer_count(agent, count)
 
     # -- decode ---------------------------------------------------------------------------
+    def arm_abort(self, room: int) -> int:
+        """Count the prefills' drain ACKs for an aborted room; the generation to send."""
+        return self._m.register_deferred_abort_room(room)
+
     def apply_status(self, room: int, status: int, prefill_rank: int, reason: str) -> None:
         self._m.apply_prefill_status(
             bootstrap_room=room,

@@ -189,7 +189,7 @@ class Pools:
         return self.state[slot * STATE_ITEM_BYTES : (slot + 1) * STATE_ITEM_BYTES]
 
     def kv_args(self, kvargs_cls: Any, spec: RankSpec) -> Any:
-        """SGLang's ``KVArgs`` for this rank, as SGLang 0.5.23 hands it to the manager.
+        """SGLang's ``KVArgs`` for this rank, as SGLang hands it to the manager.
 
         Exactly the fields ``PrefillBootstrapQueue._init_kv_manager`` (prefill.py) or
         ``DecodePreallocQueue._init_kv_manager`` (decode.py) set before they construct the
@@ -214,7 +214,9 @@ class Pools:
         a.pp_rank = 0
         a.system_dp_rank = None  # SGLang's DP rank; None without a DP controller
         a.kv_cache_dtype_str = kv_cache_dtype_str(shape)
-        a.kv_layout = None  # only DeepSeek V4 pools have a PD layout name
+        declared = getattr(kvargs_cls, "__annotations__", {})  # fields differ by release
+        if "kv_layout" in declared:  # SGLang 0.5.23+: only DeepSeek V4 pools name a layout
+            a.kv_layout = None
         a.kv_data_ptrs = list(self.kv_ptrs)
         a.kv_data_lens = [self.kv_len] * n
         a.kv_item_lens = [self.item_len] * n
@@ -248,7 +250,8 @@ class Pools:
         a.state_item_lens, a.state_layer_ids, a.state_dim_per_tensor = [], [], []
         a.state_slice_outer_counts, a.state_conv_shard_groups = [], []
         a.is_hybrid_mla_backend = hybrid and shape.mla
-        a.swa_kv_cache_layout = None
+        if "swa_kv_cache_layout" in declared:  # SGLang 0.5.22+
+            a.swa_kv_cache_layout = None
         a.mla_compression_ratios = None
         if hybrid:
             # one replicated per-request state tensor (dim 0: not sliced across TP), of a

@@ -95,11 +95,12 @@ def _fix_unless_said(problems: list[str]) -> str:
 
 
 def check_sglang(ctx: DoctorContext) -> list[CheckResult]:
-    """SGLang installed, in the supported range, and with the signatures we rely on."""
+    """SGLang installed, a supported release, and with the signatures its contract names."""
     found = compat.installed_sglang_version()
     overridden = bool(settings.sglang_version_override())
     ctx.facts["sglang_version"] = found
     ctx.facts["sglang_supported_range"] = compat.SUPPORTED_SGLANG
+    ctx.facts["sglang_contract"] = compat.contract_for(found)
     label = f"{found}{' (override)' if overridden else ''}" if found else "not installed"
     problems = compat.check_version()
     if problems:
@@ -109,22 +110,23 @@ def check_sglang(ctx: DoctorContext) -> list[CheckResult]:
         ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # SGLang's CPU-only import warnings are noise here
-        from sgl_nixl_plugin.adapter import contract
-
-        problems = contract.check_signatures()
+        problems = compat.check_sglang()
     ctx.facts["sglang_ok"] = not problems
+    contract = f"contract {ctx.facts['sglang_contract']}"
     if problems:
         return [
             CheckResult(
                 "SGLang",
                 "fail",
-                f"{label}, in range {compat.SUPPORTED_SGLANG}, but: " + "; ".join(problems),
+                f"{label}, {contract}, but: " + "; ".join(problems),
                 _fix_unless_said(problems),
             )
         ]
     return [
         CheckResult(
-            "SGLang", "ok", f"{label}, supported ({compat.SUPPORTED_SGLANG}), signatures match"
+            "SGLang",
+            "ok",
+            f"{label}, supported ({compat.SUPPORTED_SGLANG}), {contract}, signatures match",
         )
     ]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import sys
@@ -51,6 +52,11 @@ def test_doctor_json_parses(scenarios: ScenarioRunner) -> None:
     assert facts["nixl_probe"]["backends"]["UCX"]["ok"] is True
     assert facts["cuda"]["available"] is False
     assert facts["discoverable"] is True and facts["sglang_ok"] is True
+    installed = importlib.metadata.version("sglang")
+    assert facts["sglang_version"] == installed
+    assert facts["sglang_contract"] == compat.contract_for(installed) is not None
+    (line,) = [c["detail"] for c in report["checks"] if c["name"] == "SGLang"]
+    assert f"contract {facts['sglang_contract']}, signatures match" in line
     assert {c["status"] for c in report["checks"]} <= {"ok", "info", "warn"}
 
 

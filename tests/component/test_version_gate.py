@@ -43,12 +43,37 @@ def _assert_refused(result: ScenarioResult) -> str:
 # ------------------------------------------------------------------ in-process
 
 
-@pytest.mark.parametrize("version", ["0.5.23", "0.5.23.post1", "0.5.23.post2.dev0"])
-def test_supported_versions(version: str) -> None:
+@pytest.mark.parametrize(
+    ("version", "module"),
+    [
+        ("0.5.21", "sglang_0_5_21"),
+        ("0.5.22", "sglang_0_5_22"),
+        ("0.5.22.post1", "sglang_0_5_22"),
+        ("0.5.23", "sglang_0_5_23"),
+        ("0.5.23.post1", "sglang_0_5_23"),
+        ("0.5.23.post2.dev0", "sglang_0_5_23"),
+    ],
+)
+def test_supported_versions_map_to_their_release_module(version: str, module: str) -> None:
     assert compat.check_version(version) == []
+    assert compat.contract_for(version) == module
 
 
-@pytest.mark.parametrize("version", ["0.5.22", "0.5.24", "0.5.24rc1", "0.6.0", "0.5.9"])
+def test_every_supported_release_has_a_module_and_the_range_says_the_same() -> None:
+    from packaging.version import Version
+
+    for release, module in compat.CONTRACTS.items():
+        assert module == "sglang_" + release.replace(".", "_")
+        assert compat.SUPPORTED_SPECIFIER.contains(Version(release))
+    newest = max(compat.CONTRACTS, key=Version)
+    assert compat.TESTED_SGLANG == newest
+    nxt = Version(newest).release
+    assert not compat.SUPPORTED_SPECIFIER.contains(f"{nxt[0]}.{nxt[1]}.{nxt[2] + 1}")
+    oldest = Version(min(compat.CONTRACTS, key=Version)).release
+    assert not compat.SUPPORTED_SPECIFIER.contains(f"{oldest[0]}.{oldest[1]}.{oldest[2] - 1}")
+
+
+@pytest.mark.parametrize("version", ["0.5.20", "0.5.24", "0.5.24rc1", "0.6.0", "0.5.9"])
 def test_unsupported_version_message_names_version_range_and_fix(version: str) -> None:
     (problem,) = compat.check_version(version)
     assert f"SGLang {version} " in problem
@@ -72,8 +97,8 @@ def test_invalid_and_missing_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_version_override_is_a_test_hook(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(compat.VERSION_OVERRIDE_ENV, "0.5.22")
-    assert compat.installed_sglang_version() == "0.5.22"
+    monkeypatch.setenv(compat.VERSION_OVERRIDE_ENV, "0.5.20")
+    assert compat.installed_sglang_version() == "0.5.20"
     assert compat.check_sglang() != []  # decided without importing SGLang
     monkeypatch.setenv(compat.VERSION_OVERRIDE_ENV, "")
     assert compat.installed_sglang_version() == importlib.metadata.version("sglang")
@@ -98,13 +123,31 @@ def test_render_signature_ignores_annotations_and_marks_kinds() -> None:
     assert contract.render_signature(inspect.signature(g)) == "(self, *args, e=..., f=True)"
 
 
-def test_relied_signatures_are_well_formed() -> None:
-    targets = [s.target for s in contract.RELIED_SIGNATURES]
+@pytest.mark.parametrize("module", sorted(compat.CONTRACTS.values()))
+def test_relied_signatures_are_well_formed(module: str) -> None:
+    from sgl_nixl_plugin.adapter import releases
+
+    release = releases.load(module)
+    assert compat.CONTRACTS[release.RELEASE] == module
+    targets = [s.target for s in release.SIGNATURES]
     assert len(targets) == len(set(targets))
-    for relied in contract.RELIED_SIGNATURES:
-        module, _, qualname = relied.target.partition(":")
-        assert module.startswith("sglang.") and qualname
+    for relied in release.SIGNATURES:
+        module_name, _, qualname = relied.target.partition(":")
+        assert module_name.startswith("sglang.") and qualname
         assert relied.expected.startswith("(") and relied.expected.endswith(")")
+
+
+def test_the_installed_release_matches_its_module_and_no_other() -> None:
+    """The installed SGLang passes its own release's check and fails every other one (so
+    each module's signatures tell the releases apart)."""
+    from sgl_nixl_plugin.adapter import releases
+
+    installed = compat.installed_sglang_version()
+    own = compat.contract_for(installed)
+    assert own is not None, installed
+    for module in compat.CONTRACTS.values():
+        problems = contract.check_signatures(releases.load(module).SIGNATURES)
+        assert (problems == []) is (module == own), (module, problems)
 
 
 @pytest.mark.parametrize(
@@ -160,4 +203,4 @@ def test_changed_signature_logs_one_error_and_registers_nothing(
     line = _assert_refused(scenarios.result("changed_signature"))
     assert "CommonKVSender.send changed" in line
     assert "token_position_offset" in line
-    assert "installed SGLang 0.5.23 " in line and compat.SUPPORTED_SGLANG in line
+    assert f"installed SGLang {importlib.metadata.version('sglang')} " in line

@@ -20,7 +20,7 @@ from helpers import subproc, thirdparty
 from helpers.sglang_probe import RESULT_MARKER
 
 PROBE = str(Path(__file__).with_name("sglang_probe.py"))
-OLD_SGLANG = "0.5.22"
+OLD_SGLANG = "0.5.20"  # the release before the oldest supported
 
 
 @dataclass

@@ -246,8 +246,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     # the SGLang-free transfer protocol (state machines over engine and wire)
     "protocol": frozenset({"engine", "wire"}),
     # the SGLang facade; bridge.entry for its start-up line (announce), settings for the
-    # operator's configuration (secrets, staging sizes), registry for the backend hooks
-    "adapter": frozenset({"engine", "wire", "protocol", "registry", "settings", "bridge.entry"}),
+    # operator's configuration (secrets, staging sizes), registry for the backend hooks,
+    # compat for which release module serves the installed SGLang
+    "adapter": frozenset(
+        {"engine", "wire", "protocol", "registry", "settings", "bridge.entry", "compat"}
+    ),
     # drives SGLang's classes through the facade (adapter.harness); observes via registry
     "bench": frozenset({"engine", "wire", "protocol", "adapter", "registry", "settings"}),
     # the command line may use everything
@@ -272,7 +275,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     # the package's __init__: __version__ and the registry's public names
     "": frozenset({"registry"}),
     # top-level modules: the SGLang version/signature gate, and the operator's configuration
-    "compat": frozenset({"settings", "adapter.contract"}),  # the interface check: SGLang's
+    # the interface check: the installed release's module and its signatures
+    "compat": frozenset({"settings", "adapter.contract", "adapter.releases"}),
     "settings": frozenset(),
     "metrics": frozenset(),
 }

@@ -25,9 +25,19 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from sgl_nixl_plugin import compat
+
 from ._harness import wait_for
 
 pytestmark = pytest.mark.timeout(60)
+
+#: These check the abort-ACK generations of SGLang 0.5.22 and later (generation-stamped
+#: trackers and ACK targets); 0.5.21 has none. Its abort path is checked by
+#: test_decode_abort_is_acked_by_our_prefill_and_releases_the_pages and tests/e2e.
+generations = pytest.mark.skipif(
+    compat.contract_for(compat.installed_sglang_version()) == "sglang_0_5_21",
+    reason="SGLang 0.5.21's abort ACKs carry no generation",
+)
 
 GENERATION = 7
 
@@ -52,6 +62,7 @@ def _acked_ranks(mgr, room):
 # -- decode: acks arriving over the wire ------------------------------------------------------
 
 
+@generations
 def test_an_ack_for_the_armed_generation_is_recorded(cluster, rooms, fake_rank):
     mgr, prefill, room = cluster.decode, fake_rank("prefill"), rooms()
     generation = mgr.register_deferred_abort_room(room)
@@ -68,6 +79,7 @@ def test_an_ack_without_generation_is_ignored(cluster, rooms, fake_rank):
     assert not mgr.is_abort_release_safe(room, required_acks=1)
 
 
+@generations
 def test_a_stale_generation_ack_is_ignored_after_the_room_is_reused(cluster, rooms, fake_rank):
     mgr, prefill, room = cluster.decode, fake_rank("prefill"), rooms()
     old = mgr.register_deferred_abort_room(room)
@@ -81,6 +93,7 @@ def test_a_stale_generation_ack_is_ignored_after_the_room_is_reused(cluster, roo
     assert mgr.is_abort_release_safe(room, required_acks=1)
 
 
+@generations
 def test_release_is_safe_only_once_every_required_rank_acked(cluster, rooms, fake_rank):
     mgr, room = cluster.decode, rooms()
     rank0, rank1 = fake_rank("prefill"), fake_rank("prefill")
@@ -111,6 +124,7 @@ def test_an_ack_for_a_room_not_held_is_dropped(cluster, rooms, fake_rank):
     assert not mgr.is_abort_release_safe(room, required_acks=1)
 
 
+@generations
 def test_rearming_a_room_forgets_the_acks_of_its_previous_use(cluster, rooms, fake_rank):
     mgr, prefill, room = cluster.decode, fake_rank("prefill"), rooms()
     generation = mgr.register_deferred_abort_room(room)
@@ -145,6 +159,7 @@ def _aborts(prefill, port):
     return sent
 
 
+@generations
 def test_abort_carries_the_generation_it_armed(cluster, rooms, fake_rank):
     mgr, prefill, room = cluster.decode, fake_rank("prefill"), rooms()
     receiver = _receiver_on(cluster, room, [prefill], published=True)
@@ -158,6 +173,7 @@ def test_abort_carries_the_generation_it_armed(cluster, rooms, fake_rank):
     receiver.clear()
 
 
+@generations
 def test_waiting_timeout_abort_is_armed(cluster, rooms, fake_rank):
     KVPoll = cluster.KVPoll
     mgr, prefill, room = cluster.decode, fake_rank("prefill"), rooms()
@@ -196,6 +212,7 @@ def test_abort_does_not_arm_when_deferred_release_is_off(cluster, rooms, fake_ra
     receiver.clear()
 
 
+@generations
 def test_force_arm_arms_a_partly_published_receiver(cluster, rooms, fake_rank):
     mgr, prefill, room = cluster.decode, fake_rank("prefill"), rooms()
     receiver = _receiver_on(cluster, room, [prefill], published=False)
@@ -229,6 +246,17 @@ class _Allocator:
         self.freed.append(idx)
 
 
+class _ZeroedSlots(dict):
+    def __init__(self, cleared: list[int]) -> None:
+        super().__init__()
+        self._cleared = cleared
+
+    def __setitem__(self, idx: int, room: int) -> None:
+        if room == 0:
+            self._cleared.append(idx)
+        super().__setitem__(idx, room)
+
+
 def _transfer_queue(timeout: float):
     from sglang.srt.disaggregation.decode import DecodeTransferQueue
 
@@ -241,7 +269,11 @@ def _transfer_queue(timeout: float):
     q.gloo_group = None
     q.tree_cache = object()
     cleared: list[int] = []
-    q.metadata_buffers = SimpleNamespace(clear_slot=cleared.append)
+    # SGLang 0.5.23 clears a metadata slot with clear_slot(idx), 0.5.21/0.5.22 by zeroing
+    # its bootstrap_room entry: both count as clearing it
+    q.metadata_buffers = SimpleNamespace(
+        clear_slot=cleared.append, bootstrap_room=_ZeroedSlots(cleared)
+    )
     q.req_to_metadata_buffer_idx_allocator = _Allocator()
     q.scheduler = SimpleNamespace(
         enable_hisparse=False, metrics_reporter=SimpleNamespace(enable_metrics=False)
@@ -257,6 +289,7 @@ def single_rank_reduce(monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
 
 
+@generations
 def test_transfer_queue_holds_the_pages_until_both_prefill_ranks_acked(
     cluster, rooms, fake_rank, single_rank_reduce, monkeypatch
 ):
@@ -345,6 +378,7 @@ def _prefill_room(cluster, room, status, outstanding):
         mgr._staging_outstanding[room] += outstanding
 
 
+@generations
 @pytest.mark.parametrize("case", list(SCENARIOS))
 def test_drain_ack_follows_room_status_and_outstanding_writes(cluster, rooms, fake_rank, case):
     from sgl_nixl_plugin.wire.messages import AbortAck
@@ -394,6 +428,7 @@ def test_an_abort_without_generation_is_applied_but_never_acked(cluster, rooms, 
         assert "abort" in mgr.failure_records[room].lower()
 
 
+@generations
 def test_drain_ack_fans_out_to_every_decode_rank_that_aborted(cluster, rooms, fake_rank):
     mgr, room = cluster.prefill, rooms()
     rank0, rank1 = fake_rank("decode"), fake_rank("decode")
@@ -408,6 +443,7 @@ def test_drain_ack_fans_out_to_every_decode_rank_that_aborted(cluster, rooms, fa
     assert rank0.round_trip(mgr.rank_port) == rank1.round_trip(mgr.rank_port) == []
 
 
+@generations
 def test_a_repeated_abort_from_one_decode_rank_keeps_its_latest_generation(
     cluster, rooms, fake_rank
 ):
@@ -421,6 +457,7 @@ def test_a_repeated_abort_from_one_decode_rank_keeps_its_latest_generation(
     assert decode.round_trip(mgr.rank_port) == []
 
 
+@generations
 def test_sender_clear_keeps_the_ack_target_until_the_write_drains(cluster, rooms, fake_rank):
     KVPoll = cluster.KVPoll
     mgr, decode, room = cluster.prefill, fake_rank("decode"), rooms()

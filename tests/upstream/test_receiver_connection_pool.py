@@ -157,7 +157,7 @@ def test_host_destination_is_refused_and_device_is_the_default(cluster, rooms, f
     host, device = rooms(), rooms()
     receiver = _on_fake_prefills(cluster, host, [prefill])
     assert receiver.supports_host_destination is False
-    with pytest.raises(NotImplementedError, match="Host KV"):
+    with pytest.raises(NotImplementedError, match="(?i)host KV"):
         receiver.send_metadata(PAGES, 1, destination=KVTransferDestination.HOST)
     assert receiver.init_time is None
     assert prefill.round_trip(cluster.decode.rank_port) == []  # nothing was published
@@ -232,10 +232,8 @@ def test_zmq_failure_stops_publication_and_spares_other_generations(
         assert last.round_trip(cluster.decode.rank_port) == []  # the one after the failure not
         assert receiver.conclude_state == KVPoll.Failed
         assert cluster.decode.check_status(room) == KVPoll.Failed
-        assert (
-            cluster.decode.failure_records[room]
-            == f"{operation} to prefill 127.0.0.1:{bad.port} failed"
-        )
+        # SGLang 0.5.23 names the operation, our template (0.5.21/0.5.22) what was sent
+        assert f" to prefill 127.0.0.1:{bad.port} failed" in cluster.decode.failure_records[room]
         if operation == "send_metadata":  # only its own generation is invalidated
             assert f"stale-{room}" not in pool
         else:

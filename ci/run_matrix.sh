@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The older supported SGLang releases (compat.CONTRACTS, all but the newest), each against
+# the contract, adapter and multi-process tests; the oldest also against the real-server
+# stage. The newest release is the base environment's (ci/setup_env.sh) and gets the whole
+# suite from ci/run_tests.sh, which runs this script after it.
+#
+# Each release is an overlay on the base environment: `pip install --no-deps --target
+# $VENV/sglang-<release> sglang==<release>`, first on PYTHONPATH, so `import sglang`,
+# importlib.metadata and every process a test starts see that release. The releases' Python
+# layers import the same light packages (ci/requirements-sglang-light.txt); 0.5.21 pins torch
+# 2.13.0, which this CPU environment cannot pair with a torchvision, so it runs on the base's
+# torch 2.14.1 (docs/sglang-releases.md).
+#
+# `bash ci/run_matrix.sh [release ...]`: only those releases; extra pytest arguments after --.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# shellcheck source=ci/setup_env.sh
+source ci/setup_env.sh
+
+wanted=()
+while [[ $# -gt 0 && $1 != "--" ]]; do
+    wanted+=("$1")
+    shift
+done
+[[ ${1:-} == "--" ]] && shift
+
+read -r -a older <<<"$(python -c 'from sgl_nixl_plugin import compat
+print(" ".join(v for v in compat.CONTRACTS if v != compat.TESTED_SGLANG))')"
+oldest="${older[0]}"
+[[ ${#wanted[@]} -gt 0 ]] && older=("${wanted[@]}")
+
+MATRIX_TESTS=(
+    tests/unit tests/component tests/upstream
+    tests/e2e/test_e2e_pd.py tests/e2e/test_failures.py tests/e2e/test_lifecycle.py
+)
+# The real-server stage's plugin configurations and its own checks (the in-tree controls
+# are SGLang's backend, measured on the newest release).
+REALSERVER_K="plugin or damaged or setup or never"
+
+rc=0
+for release in "${older[@]}"; do
+    overlay="$VIRTUAL_ENV/sglang-$release"
+    if ! PYTHONPATH="$overlay" python -c "import importlib.metadata as m, sys
+sys.exit(m.version('sglang') != '$release')" 2>/dev/null; then
+        echo "run_matrix: installing SGLang $release into $overlay" >&2
+        rm -rf "$overlay"
+        python -m pip install -q --disable-pip-version-check --no-deps --target "$overlay" \
+            "sglang==$release"
+    fi
+    echo "run_matrix: SGLang $release: ${MATRIX_TESTS[*]}" >&2
+    PYTHONPATH="$overlay" python -m pytest -q -p no:cacheprovider "${MATRIX_TESTS[@]}" "$@" \
+        || rc=1
+    if [[ $release == "$oldest" ]]; then
+        echo "run_matrix: SGLang $release: tests/realserver -k '$REALSERVER_K'" >&2
+        PYTHONPATH="$overlay" python -m pytest -q -p no:cacheprovider tests/realserver \
+            -k "$REALSERVER_K" "$@" || rc=1
+    fi
+done
+if [[ $rc -ne 0 ]]; then
+    echo "run_matrix: a release's tests failed (see above)" >&2
+fi
+exit "$rc"

@@ -1,0 +1,18 @@
+"""One module per supported SGLang release: the signatures it must have, and our classes
+composed for it.
+
+The plugin's own classes (``adapter/manager.py``, ``sender.py``, ``receiver.py``) are the
+same on every release; a release module adds what that release's SGLang does not do for a
+backend (``adapter/template.py``) and its own table APIs, by composition. Which module
+serves the installed SGLang is ``compat.contract_for``'s answer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+def load(name: str) -> ModuleType:
+    """The release module ``name`` (a value of ``compat.CONTRACTS``)."""
+    return importlib.import_module(f"{__name__}.{name}")
