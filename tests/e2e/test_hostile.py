@@ -1125,3 +1125,31 @@ def test_bootstrap_fuzz_leaves_no_traceback_in_the_log(
     assert all(r.levelname == "WARNING" for r in lines)
     bad = rejected_counts()["http_bad_framing"] - before["http_bad_framing"]
     assert bad == len(lines) > 30, (bad, len(lines))
+
+
+def test_every_bootstrap_refusal_leaves_one_log_line(
+    bootstrap: Bootstrap, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Refusals from the routing layer (unknown route, wrong method) and SGLang's own
+    handlers (missing inputs, unknown rank) are counted like ours, and each leaves one
+    WARNING line naming the status, the request and the peer, as ours do."""
+    before = rejected_counts()
+    cases = [
+        ("GET", "/nowhere", None, 404),
+        ("POST", "/route", None, 405),
+        ("GET", "/route?prefill_dp_rank=0", None, 400),  # SGLang: missing inputs
+        ("PUT", "/route", b'{"attn_tp_size": 2', 400),  # ours: malformed body
+    ]
+    with caplog.at_level(logging.DEBUG):
+        for method, path, body, status in cases:
+            assert bootstrap.call(method, path, body).status_code == status, (method, path)
+    after = rejected_counts()
+    counted = sum(after[k] - before[k] for k in after if k.startswith("http_"))
+    lines = [
+        r
+        for r in caplog.records
+        if re.match(r"sgl-nixl bootstrap: 4\d\d for [A-Z]+ /\S* from 127\.0\.0\.1", r.getMessage())
+    ]
+    assert counted == len(cases), (before, after)
+    assert [r.levelname for r in lines] == ["WARNING"] * len(cases), [r.getMessage() for r in lines]
+    assert [int(r.getMessage().split()[2]) for r in lines] == [c[3] for c in cases]
