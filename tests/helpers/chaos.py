@@ -88,6 +88,7 @@ class ChaosConfig:
     hold_s: tuple[float, float] = (0.2, 2.0)
     prefill_first_p: float = 0.3
     start_timeout_s: float = 120.0 * TIMEOUT_SCALE
+    ok_bound_s: float = 15.0 * TIMEOUT_SCALE  # a request no fault hit ends within this
     quarantine_failed_s: float = 0.0  # decode: reuse a failed room's pages after this long
 
     @property
@@ -157,6 +158,8 @@ class Chaos:
         self.faults: list[Fault] = []
         self.cut: Fault | None = None
         self.cut_wanted = False
+        self.aim: tuple[str, str] | None = None  # a kill waiting for its target to be busy
+        self.aim_until = 0.0
         self.seen: dict[str, int] = defaultdict(int)
         self.problems: list[str] = []
         self.waves = 0
@@ -422,6 +425,19 @@ class Chaos:
         self.cut.t_end = time.time()
         self.cut = None
 
+    def _aim(self, slot: str, kind: str) -> None:
+        """Kill ``slot`` once it has rooms in flight (within 1 s): a kill of an idle rank
+        tests little."""
+        p = self.current[slot]
+        if p is None:
+            self.aim = None
+            return
+        if self.open[p.name] or time.monotonic() > self.aim_until:
+            self.aim = None
+            self._kill(slot, kind)
+        else:
+            self.aim = (slot, kind)
+
     def _fault(self) -> None:
         if self.cut_wanted:
             if not self.starting:  # a rank that is starting needs its device up
@@ -444,10 +460,12 @@ class Chaos:
             return
         kind = self.rng.choices([k for k, _ in choices], [w for _, w in choices])[0]
         if kind == "kill_prefill":
-            self._kill("prefill", kind)
+            self.aim_until = time.monotonic() + 1.0
+            self._aim("prefill", kind)
         elif kind == "kill_decode":
             slots = [s for s in self._decode_slots() if self.current.get(s) is not None]
-            self._kill(self.rng.choice(slots), kind)
+            self.aim_until = time.monotonic() + 1.0
+            self._aim(self.rng.choice(slots), kind)
         elif kind == "garbage_zmq":
             self._garbage_zmq()
         elif kind == "garbage_http":
@@ -488,7 +506,9 @@ class Chaos:
             self._pump(0.02)
             self._recover()
             now = time.monotonic()
-            if now >= next_fault:
+            if self.aim is not None:
+                self._aim(*self.aim)
+            elif now >= next_fault:
                 self._fault()
                 overlap = self.rng.random() < cfg.overlap_p
                 next_fault = now + (
@@ -563,13 +583,37 @@ class Chaos:
             return f.kind == "kill_prefill" and f.target == q.prefill
         return f.kind == "kill_decode" and f.target == q.decode
 
+    def _allowed(self, q: Req, side: str, f: Fault) -> float:
+        """The latest time ``q``'s ``side`` may end after fault ``f`` hit it."""
+        bound = self.cfg.cut_bound_s if f.kind == "cut" else self.cfg.fail_bound_s
+        allowed = max(f.t, q.t0) + bound
+        if side == "pre" and (q.bound_t is None or q.bound_t > f.t):
+            # the decode's request never reached this sender: only SGLang's bootstrap
+            # timeout can end it
+            allowed = max(allowed, q.t0 + self.cfg.bootstrap_timeout_s + self.cfg.fail_bound_s)
+        return allowed
+
     def _judge_side(self, q: Req, side: str, v: Verdict, lat: dict[str, float]) -> str:
         ev = q.dec if side == "dec" else q.pre
         name = q.decode if side == "dec" else q.prefill
         proc = self.cluster.ranks[name]
         if ev is None:
-            if proc.killed_at is not None and proc.killed_at >= q.t0:
-                return "lost with its killed process"
+            killed = proc.killed_at
+            if killed is not None and killed >= q.t0:
+                # lost with its process, unless it should have ended before the kill
+                earlier = [
+                    f
+                    for f in self.faults
+                    if self._relevant(q, side, f) and self._in_flight(q, f, killed)
+                ]
+                due = self._allowed(q, side, earlier[0]) if earlier else q.t0 + self.cfg.ok_bound_s
+                if killed <= due:
+                    return "lost with its killed process"
+                v.problems.append(
+                    f"room {q.room}: no outcome on {name} in {due - q.t0:.1f}s, until it was "
+                    f"killed {killed - q.t0:.1f}s after the request (hung): {q}"
+                )
+                return "hung"
             v.problems.append(f"room {q.room}: no outcome on {name} (hung): {q}")
             return "hung"
         t_end = ev["t"]
@@ -591,13 +635,9 @@ class Chaos:
             v.problems.append(f"room {q.room}: Failed on {name} with no fault: {reason[:300]}")
             return "failed: no fault"
         f = hits[0]
-        bound = self.cfg.cut_bound_s if f.kind == "cut" else self.cfg.fail_bound_s
-        allowed = max(f.t, q.t0) + bound
+        allowed = self._allowed(q, side, f)
         key = f.kind
         if side == "pre" and (q.bound_t is None or q.bound_t > f.t):
-            # the decode's request never reached this sender: only SGLang's bootstrap
-            # timeout can end it
-            allowed = max(allowed, q.t0 + self.cfg.bootstrap_timeout_s + self.cfg.fail_bound_s)
             key += " (bootstrap timeout)"
         key = f"{'decode' if side == 'dec' else 'prefill'} after {key}"
         late = t_end - f.t
