@@ -102,6 +102,9 @@ VARS: tuple[Var, ...] = (
     _v("SGLANG_VERSION_OVERRIDE", "str", "", "test",
        "pretend this SGLang version is installed (exercises the version gate)"),
     _v("TEST_TIMEOUT_SCALE", "float", 1.0, "test", "multiplies the test suite's timeouts"),
+    _v("CHAOS_S", "float", 45.0, "test",
+       "seconds of faults in each chaos soak test (tests/e2e/test_chaos.py)", minimum=1.0),
+    _v("CHAOS_SEED", "int", 0, "test", "seed of the chaos soak's fault scheduler (0: random)"),
     _v("BENCH_LOG", "str", "WARNING", "test",
        "log level of bench rank processes (set by `sgl-nixl-plugin bench --verbose`, "
        "read by bench/rank.py)"),

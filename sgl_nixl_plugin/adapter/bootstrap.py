@@ -131,7 +131,7 @@ class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
             response = await handler(request)
         except web.HTTPException as exc:
             if 400 <= exc.status < 500:  # unknown route or wrong method: count the probe too
-                metrics.rejected(f"http_{exc.status}")
+                self._note_refusal(request, exc.status, str(exc.status), exc.text or exc.reason)
             raise
         except (KeyError, ValueError, TypeError) as exc:
             return self._refuse(request, 400, "malformed", f"invalid request: {exc!r}")
@@ -141,10 +141,17 @@ class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
             )
             return web.Response(status=500, text="internal error (see the server log)")
         if 400 <= response.status < 500:  # SGLang's own refusals (missing inputs, unknown rank)
-            metrics.rejected(f"http_{response.status}")
+            text = getattr(response, "text", None) or response.reason
+            self._note_refusal(request, response.status, str(response.status), text)
         return response
 
     def _refuse(self, request: web.Request, status: int, reason: str, text: str) -> web.Response:
+        self._note_refusal(request, status, reason, text)
+        return web.Response(status=status, text=text)
+
+    @staticmethod
+    def _note_refusal(request: web.Request, status: int, reason: str, text: str) -> None:
+        """Every refused request is counted and leaves one line, whoever refused it."""
         metrics.rejected(f"http_{reason}")
         logger.warning(
             "sgl-nixl bootstrap: %d for %s %s from %s: %s",
@@ -152,9 +159,8 @@ class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
             request.method,
             request.path,
             request.remote,
-            text,
+            text.splitlines()[0][:200] if text else "",
         )
-        return web.Response(status=status, text=text)
 
     def _inconsistent(self, d: RoutePut) -> str:
         """A rank whose topology contradicts the ranks already registered."""

@@ -1,7 +1,8 @@
 """Prefill control thread: files decode registrations, transfer requests, aborts and credits.
 
 Nothing a peer sends can kill it: every message is handled inside its own ``try``. It also
-watches the decode ranks that hold rooms in flight (``liveness``).
+watches every accepted decode rank's connection and pings those that hold rooms in flight
+(``liveness``): a decode that dies while idle is dropped too, with its NIXL peer.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class PrefillControl(ControlLoop):
         self.wake = wake
         self.recall = recall
         self._pending: dict[tuple[str, int], str] = {}
+        self._accepted: dict[tuple[str, int], str] = {}
 
     def on_frames(self, frames: list[Any]) -> None:
         decoded = self.ctx.codec.decode(frames)
@@ -93,10 +95,18 @@ class PrefillControl(ControlLoop):
                     out[(info.endpoint, info.dst_port)] = info.agent
         return out
 
+    def _accepted_decodes(self) -> dict[tuple[str, int], str]:
+        """Control endpoints (-> agent) of every accepted decode, busy or idle."""
+        with self.ctx.peers.lock:
+            return {p.endpoint: p.agent for p in self.ctx.peers.accepted.values()}
+
     def check_liveness(self) -> None:
         me, codec = self.ctx.me, self.ctx.codec
         self._pending = self._pending_decodes()
-        self.watch.sync(set(self._pending))
+        self._accepted = self._accepted_decodes()
+        # Watch every accepted decode (an idle connection costs nothing), so one that dies
+        # with nothing in flight does not keep its NIXL peer forever; ping only the busy.
+        self.watch.sync(set(self._accepted) | set(self._pending), set(self._pending))
         self.watch.ping(lambda seq: codec.encode(Ping(me.name, me.ip, me.port, seq)))
         for ep, silent in self.watch.silent():
             self._lost(ep, f"stopped answering (no reply for {silent:.1f}s)", drop=False)
@@ -105,6 +115,10 @@ class PrefillControl(ControlLoop):
         self.watch.forget(endpoint)  # idempotent: the loop may have forgotten it already
         agent = self._pending.get(endpoint)
         if agent is None:
+            idle = self._accepted.get(endpoint)
+            if idle is not None and drop:
+                logger.info("sgl-nixl: idle decode %s at %s:%s %s", idle, *endpoint, why)
+                self.drop_peer(idle, why)
             return
         reason = f"decode {agent} at {endpoint[0]}:{endpoint[1]} {why}"
         logger.error("sgl-nixl: %s", reason)

@@ -255,6 +255,42 @@ def test_decode_killed_mid_transfer_prefill_cleans_up(tmp_path: Path) -> None:
         assert p.alive()
 
 
+@pytest.mark.timeout(180)
+def test_idle_decode_killed_prefill_drops_its_peer(tmp_path: Path) -> None:
+    """SIGKILL a decode that has nothing in flight: the prefill (which only pings decodes it
+    owes data) still sees the connection go and, within 5 s, drops that decode's NIXL peer
+    and prepared lists; a decode restarted on another port would otherwise leave one more
+    behind at every restart. The other decode keeps being served."""
+    with FaultCluster(TINY, tmp_path) as c:
+        port = free_port()
+        p = c.prefill("prefill0", port, serve_bootstrap=True)
+        d0 = c.decode("decode0", instance=0)
+        d1 = c.decode("decode1", instance=1)
+        c.ready()
+        addr = f"127.0.0.1:{port}"
+        _run_ok(p, d1, make_requests(3, 25, tokens=(16, 64)), addr)
+        one_peer = p.call("state")["tables"]
+        _run_ok(p, d0, make_requests(3, 26, tokens=(16, 64)), addr)
+        assert p.call("state")["tables"]["nixl.peer"] == 2
+        t_kill = d0.kill()
+
+        def dropped(st: dict[str, Any]) -> bool:
+            t = st["tables"]
+            return (
+                st["peers"] == [d1.info["agent"]]
+                and t["nixl.peer"] == one_peer["nixl.peer"]
+                and t["nixl.dlist"] == one_peer["nixl.dlist"]
+            )
+
+        try:
+            _, t_drop = poll_until(lambda: p.call("state"), dropped, 3 * DECODE_DEATH_S, 0.05)
+        except TimeoutError as exc:
+            raise AssertionError(f"the dead idle decode's peer stayed: {exc}") from None
+        print(f"\nidle decode kill -> prefill dropped its peer in {(t_drop - t_kill) * 1e3:.0f} ms")
+        assert t_drop - t_kill <= DECODE_DEATH_S
+        _run_ok(p, d1, make_requests(4, 27, tokens=(16, 128), chunks=2), addr)
+
+
 # ---------------------------------------------------------------------------------------
 # 3. prefill restarted behind the same bootstrap server
 # ---------------------------------------------------------------------------------------

@@ -40,6 +40,10 @@ import numpy as np
 import pytest
 import requests
 import zmq
+from helpers.hostile import garbage, mutate
+from helpers.hostile import random_request as _random_request
+from helpers.hostile import raw_garbage as _raw_garbage
+from helpers.hostile import route_body as _route_body
 from helpers.pd import E2E_ENV, hermetic_environ, session_problems, workload
 from helpers.prom import multiproc_registry, rejected_counts
 from helpers.waiting import poll_until
@@ -362,110 +366,7 @@ class FakeDecode:
         self.engine.close()
 
 
-# --------------------------------------------------------------------- hostile frames
-
-
-def _envelope(body: Any, version: int = PROTOCOL_VERSION, signed: bool = False) -> bytes:
-    return msgspec.msgpack.encode([version, time.time(), signed, body])
-
-
-def _random_structure(rng: random.Random, depth: int = 0) -> Any:
-    kind = rng.randrange(7 if depth < 3 else 4)
-    if kind == 0:
-        return rng.randrange(-(1 << 63), 1 << 63)
-    if kind == 1:
-        return rng.random() * 10 ** rng.randrange(-5, 300)
-    if kind == 2:
-        return "".join(rng.choice("abcxyz_\u00e9\u4e2d") for _ in range(rng.randrange(12)))
-    if kind == 3:
-        return rng.choice([None, True, False, b"\x00\xff"])
-    if kind == 4:
-        return [_random_structure(rng, depth + 1) for _ in range(rng.randrange(6))]
-    if kind == 5:
-        keys = ["type", "room", "agent_name", "slot", "ip", "port", "seq", "zz"]
-        return {
-            rng.choice(keys): _random_structure(rng, depth + 1) for _ in range(rng.randrange(5))
-        }
-    return {
-        "type": rng.choice(["xfer", "piece", "status", "ping", "reg"]),
-        "room": _random_structure(rng, depth + 1),
-    }
-
-
-def garbage(rng: random.Random) -> list[bytes]:
-    """A message that can never decode: random frames, random headers, unknown tags,
-    other protocol versions, structurally wrong envelopes."""
-    kind = rng.randrange(7)
-    if kind == 0:
-        return [rng.randbytes(rng.randrange(0, 200)) for _ in range(rng.randrange(1, 5))]
-    if kind == 1:
-        return [MAGIC, rng.randbytes(rng.randrange(0, 300))]
-    if kind == 2:
-        return [MAGIC, msgspec.msgpack.encode(_random_structure(rng))]
-    if kind == 3:  # a tag no version of the protocol has
-        return [MAGIC, _envelope({"type": f"nope{rng.randrange(100)}", "room": 1})]
-    if kind == 4:  # a future (or past) protocol version
-        return [
-            MAGIC,
-            _envelope(
-                {"type": "ping", "sender": "x", "ip": "127.0.0.1", "port": 1, "seq": 1},
-                version=rng.choice([0, 2, 99, -1]),
-            ),
-        ]
-    if kind == 5:  # right shape, wrong field types
-        return [
-            MAGIC,
-            _envelope({"type": "piece_done", "room": "seven", "agent_name": 3, "slot": -1}),
-        ]
-    return [MAGIC[:-1] + bytes([rng.randrange(256)]), _envelope({"type": "ping"})]
-
-
-def mutate(rng: random.Random, frames: list[Any]) -> list[bytes]:
-    """A valid message damaged once: flipped, truncated or extended header, frames
-    dropped, duplicated or resized."""
-    frames = [bytes(memoryview(f).cast("B")) if not isinstance(f, bytes) else f for f in frames]
-    kind = rng.randrange(6)
-    if kind == 0:
-        h = bytearray(frames[1])
-        for _ in range(rng.randrange(1, 4)):
-            h[rng.randrange(len(h))] ^= 1 << rng.randrange(8)
-        frames[1] = bytes(h)
-    elif kind == 1:
-        frames[1] = frames[1][: rng.randrange(len(frames[1]))]
-    elif kind == 2:
-        frames[1] = frames[1] + rng.randbytes(rng.randrange(1, 16))
-    elif kind == 3 and len(frames) > 2:
-        del frames[rng.randrange(2, len(frames))]
-    elif kind == 4 and len(frames) > 2:
-        i = rng.randrange(2, len(frames))
-        frames[i] = frames[i][: max(0, len(frames[i]) - rng.choice([1, 4, 5]))] or b"\x01"
-    else:
-        frames.append(frames[-1])
-    return frames
-
-
 # =========================================================================== HTTP
-
-
-def _route_body(**over: Any) -> dict[str, Any]:
-    body = dict(
-        attn_tp_size=2,
-        attn_tp_rank=0,
-        attn_cp_size=1,
-        attn_cp_rank=0,
-        attn_dp_size=1,
-        attn_dp_rank=0,
-        pp_size=1,
-        pp_rank=0,
-        system_dp_size=1,
-        system_dp_rank=0,
-        rank_ip="127.0.0.1",
-        rank_port=4242,
-        page_size=16,
-        kv_cache_dtype="float16",
-    )
-    body.update(over)
-    return body
 
 
 @dataclass
@@ -622,49 +523,6 @@ def _http_requests() -> st.SearchStrategy[tuple[str, str, bytes | None]]:
         ),
     )
     return st.tuples(routes, query, body()).map(lambda t: (t[0][0], t[0][1] + t[1], t[2]))
-
-
-def _random_request(rng: random.Random) -> tuple[str, str, bytes | None]:
-    method = rng.choice(["GET", "PUT", "POST", "DELETE", "GET", "PUT", "POST"])
-    path = rng.choice(["/route", "/register_dp_rank", "/query_dp_ranks", "/health", "/x"])
-    keys = ["prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank"]
-    params = {
-        k: rng.choice(["-1", "0", str(rng.randrange(-(10**20), 10**20)), "\u00e9", "1e3"])
-        for k in rng.sample(keys, rng.randrange(5))
-    }
-    if rng.random() < 0.2:  # one huge value (the request line stays under 8 KiB)
-        params[rng.choice(keys)] = "9" * rng.randrange(1000, 6000)
-    path += ("?" + urllib.parse.urlencode(params)) if params else ""
-    good = json.dumps(_route_body(attn_tp_rank=rng.randrange(2))).encode()
-    body = rng.choice(
-        [
-            None,
-            rng.randbytes(rng.randrange(200)),
-            good,
-            good[: rng.randrange(len(good))],
-            json.dumps(
-                _route_body(
-                    **{
-                        rng.choice(list(_route_body())): rng.choice(
-                            [None, "x", -1, 1 << 70, [1], 2.5]
-                        )
-                    }
-                )
-            ).encode(),
-            json.dumps(
-                {
-                    "bootstrap_room": rng.choice([1, -1, "1", 1 << 80]),
-                    "dp_rank": rng.choice([0, "0", None]),
-                }
-            ).encode(),
-            json.dumps(
-                {"bootstrap_rooms": [rng.choice([1, "1", None, 1.5]) for _ in range(3)]}
-            ).encode(),
-            b"{" * rng.randrange(1, 3000),
-            b"0" * (70 << 10),
-        ]
-    )
-    return method, path, body
 
 
 def test_bootstrap_http_fuzz_hypothesis(bootstrap: Bootstrap) -> None:
@@ -1236,23 +1094,6 @@ def test_decode_drops_forged_statuses_and_pieces(hostile: HostileRun) -> None:
     assert not [room for room in hostile.forged_rooms if str(room) in hostile.log]
 
 
-def _raw_garbage(rng: random.Random, n: int) -> list[bytes]:
-    """Bytes on the socket that are not a well-formed HTTP request."""
-    good = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
-    forms = [
-        lambda: rng.randbytes(rng.randrange(1, 400)),
-        lambda: b"GET /route HTTP/9.9\r\n\r\n",
-        lambda: b"PUT /route HTTP/1.1\r\nContent-Length: 99999999999999999999\r\n\r\n{}",
-        lambda: b"POST /register_dp_rank HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
-        lambda: b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n",
-        lambda: b"GET /health HTTP/1.1\r\n" + b"X: " + b"b" * 20000 + b"\r\n\r\n",
-        lambda: b"\x00\xff" + good,
-        lambda: good[: rng.randrange(1, len(good))],
-        lambda: b"GET /health HTTP/1.1\r\nHost x\r\n\r\n",
-    ]
-    return [rng.choice(forms)() for _ in range(n)]
-
-
 def test_bootstrap_fuzz_leaves_no_traceback_in_the_log(
     bootstrap: Bootstrap, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -1284,3 +1125,31 @@ def test_bootstrap_fuzz_leaves_no_traceback_in_the_log(
     assert all(r.levelname == "WARNING" for r in lines)
     bad = rejected_counts()["http_bad_framing"] - before["http_bad_framing"]
     assert bad == len(lines) > 30, (bad, len(lines))
+
+
+def test_every_bootstrap_refusal_leaves_one_log_line(
+    bootstrap: Bootstrap, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Refusals from the routing layer (unknown route, wrong method) and SGLang's own
+    handlers (missing inputs, unknown rank) are counted like ours, and each leaves one
+    WARNING line naming the status, the request and the peer, as ours do."""
+    before = rejected_counts()
+    cases = [
+        ("GET", "/nowhere", None, 404),
+        ("POST", "/route", None, 405),
+        ("GET", "/route?prefill_dp_rank=0", None, 400),  # SGLang: missing inputs
+        ("PUT", "/route", b'{"attn_tp_size": 2', 400),  # ours: malformed body
+    ]
+    with caplog.at_level(logging.DEBUG):
+        for method, path, body, status in cases:
+            assert bootstrap.call(method, path, body).status_code == status, (method, path)
+    after = rejected_counts()
+    counted = sum(after[k] - before[k] for k in after if k.startswith("http_"))
+    lines = [
+        r
+        for r in caplog.records
+        if re.match(r"sgl-nixl bootstrap: 4\d\d for [A-Z]+ /\S* from 127\.0\.0\.1", r.getMessage())
+    ]
+    assert counted == len(cases), (before, after)
+    assert [r.levelname for r in lines] == ["WARNING"] * len(cases), [r.getMessage() for r in lines]
+    assert [int(r.getMessage().split()[2]) for r in lines] == [c[3] for c in cases]

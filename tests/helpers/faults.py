@@ -676,6 +676,8 @@ class _PrefillRank(_Rank):
             status = ctx.sender.poll()
             if status == KVPoll.WaitingForInput and not ctx.inited:
                 ctx.inited = True
+                if self.opts.get("report_bound"):
+                    self.emit("bound", room=room)  # the decode's request reached this rank
                 ctx.sender.init(len(ctx.pages), ctx.slot)
                 ctx.held = ctx.plan == "hold"
                 self._send_parts(ctx, len(ctx.parts) - 1 if ctx.held else len(ctx.parts))
@@ -721,6 +723,9 @@ class _DecodeRank(_Rank):
         )
         self.slots = list(range(1, self.pools.aux_rows))
         self.active: dict[int, _DRoom] = {}
+        # ``opts["quarantine_failed_s"]``: a failed room's pages and slot are reused only
+        # after this long (late WRITEs of a partitioned prefill can still land in them)
+        self.quarantine: list[tuple[float, np.ndarray, int]] = []
         self.emit(
             "ready",
             pid=os.getpid(),
@@ -929,10 +934,18 @@ class _DecodeRank(_Rank):
             else:
                 ctx.receiver.clear()
                 res.update(verify_room(pools, ctx))
-            self.page_pool.release(ctx.pages)
-            self.slots.append(ctx.slot)
+            hold_s = float(self.opts.get("quarantine_failed_s", 0))
+            if status == KVPoll.Failed and hold_s > 0:
+                self.quarantine.append((time.monotonic() + hold_s, ctx.pages, ctx.slot))
+            else:
+                self.page_pool.release(ctx.pages)
+                self.slots.append(ctx.slot)
             del self.active[room]
             self.emit("done", room=room, **res)
+        while self.quarantine and self.quarantine[0][0] <= time.monotonic():
+            _, pages, slot = self.quarantine.pop(0)
+            self.page_pool.release(pages)
+            self.slots.append(slot)
         return bool(self.active)
 
 
