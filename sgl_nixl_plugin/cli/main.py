@@ -29,8 +29,10 @@ def cmd_version() -> int:
     if sglang is None:
         sglang_line = f"SGLang not installed (supported: {compat.SUPPORTED_SGLANG})"
     else:
-        where = "within" if not compat.check_version(sglang) else "OUTSIDE"
-        sglang_line = f"SGLang {sglang} ({where} the supported range {compat.SUPPORTED_SGLANG})"
+        contract = compat.contract_for(sglang)
+        where = "within" if contract else "OUTSIDE"
+        sglang_line = f"SGLang {sglang} ({where} the supported range {compat.SUPPORTED_SGLANG}"
+        sglang_line += f"; contract {contract})" if contract else ")"
     print(f"sgl-nixl-plugin {__version__}")
     print(sglang_line)
     print(f"NIXL {_dist_version('nixl')}")

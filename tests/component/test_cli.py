@@ -67,9 +67,8 @@ def test_doctor_fails_on_unsupported_sglang_and_says_why(scenarios: ScenarioRunn
     assert result.returncode != 0, result.explain()
     verdict = " ".join(result.stdout.split())  # undo table/line wrapping
     assert "NOT OK" in verdict
-    assert f"SGLang {OLD_SGLANG} is outside the supported range {compat.SUPPORTED_SGLANG}" in (
-        verdict
-    )
+    assert f"SGLang {OLD_SGLANG} is not a supported release (supported: 0.5.21, 0.5.22" in verdict
+    assert compat.SUPPORTED_SGLANG in verdict
     assert "pip install 'sgl-nixl-plugin[sglang]'" in verdict
 
 
@@ -79,7 +78,11 @@ def test_python_m_version() -> None:
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == f"sgl-nixl-plugin {__version__}" == "sgl-nixl-plugin 0.5.0"
-    assert lines[1].startswith("SGLang 0.5.23 (within the supported range")
+    installed = importlib.metadata.version("sglang")
+    assert lines[1] == (
+        f"SGLang {installed} (within the supported range {compat.SUPPORTED_SGLANG}; "
+        f"contract {compat.contract_for(installed)})"
+    )
     assert lines[2].startswith("NIXL 1.5")
 
 

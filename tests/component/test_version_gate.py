@@ -73,6 +73,20 @@ def test_every_supported_release_has_a_module_and_the_range_says_the_same() -> N
     assert not compat.SUPPORTED_SPECIFIER.contains(f"{oldest[0]}.{oldest[1]}.{oldest[2] - 1}")
 
 
+def test_the_sglang_extra_and_the_readme_table_name_the_supported_releases() -> None:
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert project["optional-dependencies"]["sglang"] == [f"sglang{compat.SUPPORTED_SGLANG}"]
+    lines = (root / "README.md").read_text().splitlines()
+    header = lines.index("| sgl-nixl-plugin | SGLang | NIXL | Python | torch |")
+    row = lines[header + 2]  # the compatibility table's first row: this release
+    assert ", ".join(compat.CONTRACTS) in row and f"(`{compat.SUPPORTED_SGLANG}`)" in row
+
+
 @pytest.mark.parametrize("version", ["0.5.20", "0.5.24", "0.5.24rc1", "0.6.0", "0.5.9"])
 def test_unsupported_version_message_names_version_range_and_fix(version: str) -> None:
     (problem,) = compat.check_version(version)
