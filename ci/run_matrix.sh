@@ -48,6 +48,13 @@ sys.exit(m.version('sglang') != '$release')" 2>/dev/null; then
         python -m pip install -q --disable-pip-version-check --no-deps --target "$overlay" \
             "sglang==$release"
     fi
+    found="$(PYTHONPATH="$overlay" python -c 'import importlib.metadata as m
+print(m.version("sglang"))')"
+    if [[ $found != "$release" ]]; then
+        echo "run_matrix: $overlay gives SGLang $found, not $release" >&2
+        rc=1
+        continue
+    fi
     echo "run_matrix: SGLang $release: ${MATRIX_TESTS[*]}" >&2
     PYTHONPATH="$overlay" python -m pytest -q -p no:cacheprovider "${MATRIX_TESTS[@]}" "$@" \
         || rc=1

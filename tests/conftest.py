@@ -14,4 +14,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes ``helpers`` im
 # import it now, unset, so this process's own metrics stay in the default registry.
 import prometheus_client  # noqa: E402,F401
 from helpers.fixtures import *  # noqa: E402,F403
-from helpers.layers import pytest_collection_modifyitems  # noqa: E402,F401
+from helpers.layers import pytest_collection_modifyitems, pytest_report_header  # noqa: E402,F401

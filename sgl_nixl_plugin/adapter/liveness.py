@@ -1,11 +1,12 @@
-"""Peer liveness while work is pending: connection watch plus ping/pong.
+"""Peer liveness: connection watch for every known peer, ping/pong while work is pending.
 
-For every peer that holds rooms in flight, the owning control thread keeps one PUSH
-socket with a ZMQ monitor. A peer process that dies closes its sockets, the kernel resets
-the connection and the monitor reports it at once: its rooms fail in milliseconds, with no
-timer that a busy machine could trip. A peer that vanishes without a reset (a network
-partition, a frozen host) stops answering pings and is declared dead after ``misses``
-intervals. Peers with nothing pending are neither watched nor pinged.
+For every peer it knows (a prefill: each accepted decode; a decode: each prefill rank it
+has a route to), the owning control thread keeps one PUSH socket with a ZMQ monitor. A
+peer process that dies closes its sockets, the kernel resets the connection and the
+monitor reports it at once: its rooms fail in milliseconds, with no timer that a busy
+machine could trip, and an idle peer is forgotten. A peer that vanishes without a reset (a
+network partition, a frozen host) stops answering pings and is declared dead after
+``misses`` intervals; only peers that owe us something are pinged.
 
 Not thread-safe: one control thread owns a ``PeerWatch`` and every socket in it.
 """

@@ -15,3 +15,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         parts = Path(str(item.fspath)).resolve().relative_to(TESTS).parts
         if parts and parts[0] in LAYERS:
             item.add_marker(getattr(pytest.mark, parts[0]))
+
+
+def pytest_report_header() -> str:
+    """Which SGLang release (and contract module) this run tests: the CI matrix runs the
+    suite once per supported release."""
+    from sgl_nixl_plugin import compat
+
+    found = compat.installed_sglang_version()
+    return f"SGLang {found} (contract {compat.contract_for(found)})"
