@@ -8,8 +8,9 @@ signatures and our classes composed for it; at start-up the bridge checks that e
 signature still looks the way it does in that release. Both checks return plain problem
 strings so the bridge, the CLI and the tests can all report them the same way.
 
-Importing this module is cheap: the release modules import SGLang and are imported only
-for a supported version.
+Importing this module is cheap: the signature check imports SGLang's modules, and only for
+a supported version; our classes for that release (``adapter/releases``) are imported only
+when SGLang asks for them.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def installed_sglang_version() -> str | None:
         return None
 
 
-def contract_for(version: str | None) -> str | None:
-    """The release module serving SGLang ``version``, or None when it is not supported."""
+def release_for(version: str | None) -> str | None:
+    """The supported release (a key of :data:`CONTRACTS`) SGLang ``version`` is, or None."""
     if version is None:
         return None
     try:
@@ -69,7 +70,14 @@ def contract_for(version: str | None) -> str | None:
         return None
     if not SUPPORTED_SPECIFIER.contains(parsed, prereleases=True):
         return None
-    return CONTRACTS.get(".".join(str(n) for n in (parsed.release + (0, 0, 0))[:3]))
+    release = ".".join(str(n) for n in (parsed.release + (0, 0, 0))[:3])
+    return release if release in CONTRACTS else None
+
+
+def contract_for(version: str | None) -> str | None:
+    """The release module serving SGLang ``version``, or None when it is not supported."""
+    release = release_for(version)
+    return None if release is None else CONTRACTS[release]
 
 
 def check_version(version: str | None = None) -> list[str]:
@@ -103,20 +111,14 @@ def check_sglang() -> list[str]:
     problems = check_version()
     if problems:
         return problems
-    from sgl_nixl_plugin.adapter import contract, releases  # these import SGLang
+    from sgl_nixl_plugin.adapter import contract  # imports SGLang's modules, not ours
 
     found = installed_sglang_version()
-    try:
-        release = releases.load(str(contract_for(found)))
-    except Exception as exc:  # an SGLang whose modules do not even import as expected
-        release = None
-        problems = [f"cannot load the contract for SGLang {found}: {type(exc).__name__}: {exc}"]
-    else:
-        problems = contract.check_signatures(release.SIGNATURES)
+    release = str(release_for(found))
+    problems = contract.check_signatures(contract.SIGNATURES[release])
     if problems:
-        expected = release.RELEASE if release is not None else found
         problems.append(
             f"installed SGLang {found} is a supported release but its interfaces differ "
-            f"from {expected}'s. {FIX_HINT}"
+            f"from {release}'s. {FIX_HINT}"
         )
     return problems

@@ -2,8 +2,8 @@
 
 SGLang's disaggregation classes change between releases, so the bridge checks at start-up
 that every signature we call into or override looks the way it does in the release the
-installed version maps to (``adapter/releases``, one module per release), and refuses to
-register otherwise rather than fail on the first request. The supported releases are
+installed version maps to (:data:`SIGNATURES`), and refuses to register otherwise rather
+than fail on the first request. Our classes for each release are ``adapter/releases``'. The supported releases are
 ``sgl_nixl_plugin.compat``'s.
 """
 
@@ -36,9 +36,9 @@ def relied(qualname: str, expected: str) -> ReliedSignature:
     return ReliedSignature(f"{_COMMON}:{qualname}", expected)
 
 
-#: Signatures every supported release shares. Each release module (``adapter/releases``)
-#: adds its own and checks the sum: a mismatch means SGLang changed an interface under us,
-#: and the bridge then refuses to register rather than fail on the first request.
+#: Signatures every supported release shares. Each release adds its own (:data:`SIGNATURES`)
+#: and the sum is checked: a mismatch means SGLang changed an interface under us, and the
+#: bridge then refuses to register rather than fail on the first request.
 SHARED: tuple[ReliedSignature, ...] = (
     relied(
         "CommonKVManager.__init__",
@@ -96,6 +96,58 @@ TEMPLATE: tuple[ReliedSignature, ...] = (
     relied("CommonKVReceiver.invalidate_cached_bootstrap_infos", "(self)"),
     relied("CommonKVReceiver._check_waiting_timeout", "(self)"),
 )
+
+#: Every supported release's signatures (keys: those of ``compat.CONTRACTS``). Checked at start-up
+#: against the installed SGLang without importing our classes, so the gate stays cheap in
+#: every SGLang process.
+SIGNATURES: dict[str, tuple[ReliedSignature, ...]] = {
+    "0.5.21": (
+        *SHARED,
+        *TEMPLATE,
+        relied(
+            "CommonKVSender.__init__",
+            "(self, mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank, "
+            "req_has_disagg_prefill_dp_rank=False)",
+        ),
+        relied(
+            "CommonKVManager.register_deferred_ack_target", "(self, room, decode_ip, decode_port)"
+        ),
+        relied("CommonKVManager.note_abort_ack", "(self, bootstrap_room, prefill_rank)"),
+        relied("CommonKVManager._send_abort_ack", "(self, decode_ip, decode_port, room)"),
+        relied("CommonKVReceiver.clear", "(self)"),
+    ),
+    "0.5.22": (
+        *SHARED,
+        *GENERATION_ACKS,
+        *TEMPLATE,
+        relied(
+            "CommonKVSender.__init__",
+            "(self, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=False)",
+        ),
+    ),
+    "0.5.23": (
+        *SHARED,
+        *GENERATION_ACKS,
+        relied(
+            "CommonKVSender.__init__",
+            "(self, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=False)",
+        ),
+        relied(
+            "CommonKVSender.send",
+            "(self, kv_indices, state_indices=None, num_kv_tokens=None, indices_event=None)",
+        ),
+        relied(
+            "CommonKVReceiver.send_metadata",
+            "(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, "
+            "destination=KVTransferDestination.DEVICE, device_kv_indices=None)",
+        ),
+        relied(
+            "CommonKVManager.build_receiver_metadata_message",
+            "(self, *, bootstrap_room, required_dst_info_num, kv_indices, aux_index, "
+            "state_indices, decode_prefix_len, is_dummy, device_kv_indices=None)",
+        ),
+    ),
+}
 
 #: Names the bridge uses besides the signatures above (missing = the plugin seam moved).
 RELIED_NAMES: tuple[str, ...] = (
@@ -166,7 +218,7 @@ def resolve(target: str) -> Any:
 
 def check_signatures(signatures: tuple[ReliedSignature, ...]) -> list[str]:
     """Problems with the SGLang interfaces we rely on; empty when all match ``signatures``
-    (a release module's ``SIGNATURES``).
+    (one release's entry of :data:`SIGNATURES`).
 
     Imports SGLang's disaggregation modules (seconds, pulls in torch): call it only once
     SGLang itself is being loaded, or from the doctor.

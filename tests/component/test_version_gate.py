@@ -137,15 +137,14 @@ def test_render_signature_ignores_annotations_and_marks_kinds() -> None:
     assert contract.render_signature(inspect.signature(g)) == "(self, *args, e=..., f=True)"
 
 
-@pytest.mark.parametrize("module", sorted(compat.CONTRACTS.values()))
-def test_relied_signatures_are_well_formed(module: str) -> None:
+@pytest.mark.parametrize("release", sorted(compat.CONTRACTS))
+def test_relied_signatures_are_well_formed(release: str) -> None:
     from sgl_nixl_plugin.adapter import releases
 
-    release = releases.load(module)
-    assert compat.CONTRACTS[release.RELEASE] == module
-    targets = [s.target for s in release.SIGNATURES]
+    assert releases.load(compat.CONTRACTS[release]).RELEASE == release
+    targets = [s.target for s in contract.SIGNATURES[release]]
     assert len(targets) == len(set(targets))
-    for relied in release.SIGNATURES:
+    for relied in contract.SIGNATURES[release]:
         module_name, _, qualname = relied.target.partition(":")
         assert module_name.startswith("sglang.") and qualname
         assert relied.expected.startswith("(") and relied.expected.endswith(")")
@@ -153,15 +152,14 @@ def test_relied_signatures_are_well_formed(module: str) -> None:
 
 def test_the_installed_release_matches_its_module_and_no_other() -> None:
     """The installed SGLang passes its own release's check and fails every other one (so
-    each module's signatures tell the releases apart)."""
-    from sgl_nixl_plugin.adapter import releases
-
+    each release's signatures tell the releases apart)."""
     installed = compat.installed_sglang_version()
     own = compat.contract_for(installed)
     assert own is not None, installed
-    for module in compat.CONTRACTS.values():
-        problems = contract.check_signatures(releases.load(module).SIGNATURES)
-        assert (problems == []) is (module == own), (module, problems)
+    assert set(contract.SIGNATURES) == set(compat.CONTRACTS)
+    for release, module in compat.CONTRACTS.items():
+        problems = contract.check_signatures(contract.SIGNATURES[release])
+        assert (problems == []) is (module == own), (release, problems)
 
 
 @pytest.mark.parametrize(

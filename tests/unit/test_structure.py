@@ -276,7 +276,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "": frozenset({"registry"}),
     # top-level modules: the SGLang version/signature gate, and the operator's configuration
     # the interface check: the installed release's module and its signatures
-    "compat": frozenset({"settings", "adapter.contract", "adapter.releases"}),
+    "compat": frozenset({"settings", "adapter.contract"}),
     "settings": frozenset(),
     "metrics": frozenset(),
 }

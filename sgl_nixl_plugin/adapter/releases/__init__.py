@@ -1,5 +1,5 @@
-"""One module per supported SGLang release: the signatures it must have, and our classes
-composed for it.
+"""One module per supported SGLang release: our classes composed for it (the signatures
+each release must have are ``adapter.contract.SIGNATURES``).
 
 The plugin's own classes (``adapter/manager.py``, ``sender.py``, ``receiver.py``) are the
 same on every release; a release module adds what that release's SGLang does not do for a

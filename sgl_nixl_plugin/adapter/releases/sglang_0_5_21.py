@@ -18,7 +18,6 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 
 from sgl_nixl_plugin.adapter import manager, receiver, sender
 from sgl_nixl_plugin.adapter.bootstrap import NixlPluginKVBootstrapServer
-from sgl_nixl_plugin.adapter.contract import SHARED, TEMPLATE, ReliedSignature, relied
 from sgl_nixl_plugin.adapter.sglang_rooms import SGLangRooms
 from sgl_nixl_plugin.adapter.template import ManagerTemplate, ReceiverTemplate, SenderTemplate
 from sgl_nixl_plugin.wire.messages import AbortAck
@@ -26,20 +25,6 @@ from sgl_nixl_plugin.wire.messages import AbortAck
 RELEASE = "0.5.21"
 #: The generation our wire carries where SGLang has none (any value means "ACK this").
 GENERATION = 0
-
-SIGNATURES: tuple[ReliedSignature, ...] = (
-    *SHARED,
-    *TEMPLATE,
-    relied(
-        "CommonKVSender.__init__",
-        "(self, mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank, "
-        "req_has_disagg_prefill_dp_rank=False)",
-    ),
-    relied("CommonKVManager.register_deferred_ack_target", "(self, room, decode_ip, decode_port)"),
-    relied("CommonKVManager.note_abort_ack", "(self, bootstrap_room, prefill_rank)"),
-    relied("CommonKVManager._send_abort_ack", "(self, decode_ip, decode_port, room)"),
-    relied("CommonKVReceiver.clear", "(self)"),
-)
 
 
 class SGLangRooms0521(SGLangRooms):
@@ -114,7 +99,6 @@ class NixlPluginKVReceiver(receiver.NixlPluginKVReceiver, ReceiverTemplate):
 
 __all__ = [
     "RELEASE",
-    "SIGNATURES",
     "NixlPluginKVBootstrapServer",
     "NixlPluginKVManager",
     "NixlPluginKVReceiver",

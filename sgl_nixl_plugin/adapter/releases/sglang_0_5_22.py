@@ -5,26 +5,9 @@ from __future__ import annotations
 
 from sgl_nixl_plugin.adapter import manager, receiver, sender
 from sgl_nixl_plugin.adapter.bootstrap import NixlPluginKVBootstrapServer
-from sgl_nixl_plugin.adapter.contract import (
-    GENERATION_ACKS,
-    SHARED,
-    TEMPLATE,
-    ReliedSignature,
-    relied,
-)
 from sgl_nixl_plugin.adapter.template import ManagerTemplate, ReceiverTemplate, SenderTemplate
 
 RELEASE = "0.5.22"
-
-SIGNATURES: tuple[ReliedSignature, ...] = (
-    *SHARED,
-    *GENERATION_ACKS,
-    *TEMPLATE,
-    relied(
-        "CommonKVSender.__init__",
-        "(self, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=False)",
-    ),
-)
 
 
 class NixlPluginKVManager(manager.NixlPluginKVManager, ManagerTemplate):
@@ -41,7 +24,6 @@ class NixlPluginKVReceiver(receiver.NixlPluginKVReceiver, ReceiverTemplate):
 
 __all__ = [
     "RELEASE",
-    "SIGNATURES",
     "NixlPluginKVBootstrapServer",
     "NixlPluginKVManager",
     "NixlPluginKVReceiver",
