@@ -3,7 +3,9 @@
 # root, on a machine with pip and network:
 #
 #     bash ci/gpu_wheels.sh          # .whl: NIXL (CUDA 13), pyzmq, msgspec       (~58 MiB)
-#     bash ci/gpu_wheels.sh sglang   # .sglwhl: SGLang 0.5.23 for cp312, the light packages its
+#     bash ci/gpu_wheels.sh sglang [release]
+#                                    # .sglwhl: SGLang for cp312 (the newest supported release,
+#                                    #   or the one given), the light packages its
 #                                    #   disaggregation layer imports that the GPU image lacks,
 #                                    #   and this checkout as a wheel (rebuild after a change)
 #
@@ -19,8 +21,11 @@ bin=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
      --platform manylinux2014_x86_64 --platform manylinux_2_34_x86_64)
 if [[ ${1:-} == sglang ]]; then
+    release=${2:-$(PYTHONPATH=$PWD python3 -c 'from sgl_nixl_plugin import compat
+print(compat.TESTED_SGLANG)')}
     mkdir -p .sglwhl
-    python3 -m pip download -q "${bin[@]}" -d .sglwhl sglang==0.5.23
+    rm -f .sglwhl/sglang-*.whl  # one release at a time (a call carries at most 64 MiB)
+    python3 -m pip download -q "${bin[@]}" -d .sglwhl "sglang==$release"
     # pure-Python or binary packages SGLang's server_args / disaggregation imports need and the
     # GPU image does not have (see ci/requirements-sglang-light.txt for why each is there)
     python3 -m pip download -q "${bin[@]}" -d .sglwhl \
