@@ -105,8 +105,8 @@ VARS: tuple[Var, ...] = (
     _v("CHAOS_S", "float", 45.0, "test",
        "seconds of faults in each chaos soak test (tests/e2e/test_chaos.py)", minimum=1.0),
     _v("CHAOS_SEED", "int", 0, "test", "seed of the chaos soak's fault scheduler (0: random)"),
-    _v("CHAOS_NETNS", "flag", False, "test",
-       "also run the chaos soak with netns link cuts (a known leak fails it; see DESIGN.md)"),
+    _v("CHAOS_NETNS", "flag", True, "test",
+       "also run the chaos soak with netns link cuts (0 skips that variant)"),
     _v("BENCH_LOG", "str", "WARNING", "test",
        "log level of bench rank processes (set by `sgl-nixl-plugin bench --verbose`, "
        "read by bench/rank.py)"),

@@ -63,6 +63,8 @@ SHARED: tuple[ReliedSignature, ...] = (
     relied("CommonKVReceiver.__init__", "(self, mgr, bootstrap_addr, bootstrap_room=None)"),
     relied("CommonKVReceiver.init", "(self, prefill_dp_rank)"),
     relied("CommonKVReceiver._send_abort_notification", "(self, *, force_arm=False)"),
+    relied("CommonKVReceiver._connect", "(endpoint, is_ipv6=False)"),
+    relied("CommonKVReceiver.disconnect_endpoint", "(endpoint)"),
     relied(
         "CommonKVReceiver._get_bootstrap_info_from_server",
         "(self, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank)",

@@ -119,7 +119,9 @@ class DecodeListener(ControlLoop):
         ctx, side = self.ctx, self.side
         pending = side.pending_endpoints()
         self._busy = bool(pending) or ctx.sglang.abort_acks_pending()
-        self.watch.sync(side.known_endpoints(), pending)
+        known = side.known_endpoints()
+        self.watch.sync(known, pending)
+        side.close_unused_sockets(known | pending, self.watch.deadline)
         me = ctx.me
         self.watch.ping(lambda seq: ctx.codec.encode(Ping(me.name, me.ip, me.port, seq)))
         for (ip, port), silent in self.watch.silent():

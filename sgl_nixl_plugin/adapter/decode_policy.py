@@ -11,6 +11,7 @@ import logging
 import time
 
 from sgl_nixl_plugin.adapter.context import DecodeContext
+from sgl_nixl_plugin.adapter.sglang_rooms import close_receiver_socket, receiver_socket_urls, tcp
 from sgl_nixl_plugin.wire.messages import Abort
 
 logger = logging.getLogger(__name__)
@@ -18,9 +19,14 @@ logger = logging.getLogger(__name__)
 Endpoint = tuple[str, int]
 
 
+#: How long a retired socket may still flush what is queued on it.
+RETIRE_LINGER_MS = 200
+
+
 class DecodePolicy:
     def __init__(self, ctx: DecodeContext) -> None:
         self.ctx = ctx
+        self._unused_since: dict[str, float] = {}  # socket URL -> when it stopped mattering
 
     def pending_endpoints(self) -> set[Endpoint]:
         """Prefill ranks that owe this decode data for some room."""
@@ -49,6 +55,34 @@ class DecodePolicy:
         self.ctx.sglang.forget_prefill_endpoint(endpoint, disconnect)
         if self.ctx.warmup is not None:
             self.ctx.warmup.forget(endpoint)
+
+    def close_unused_sockets(self, keep: set[Endpoint], grace_s: float) -> list[str]:
+        """Close the sockets to prefill ranks this decode no longer has a route to.
+
+        A prefill that comes back on another port gets a new route from SGLang; nothing
+        else closes the old socket (its peer sent no reset if the link was cut when it
+        died). A socket stays while its endpoint is in ``keep`` (known or owed data), and
+        for ``grace_s`` after it left ``keep`` or after its prefill refused this decode,
+        so that aborts queued on it still leave. Returns the URLs closed.
+        """
+        now = time.monotonic()
+        kept = {tcp(ep)[0] for ep in keep}
+        recent = {tcp(ep)[0] for ep, (_, at) in self.ctx.refused.items() if now - at < grace_s}
+        closed = []
+        for url in receiver_socket_urls():
+            if url in kept or url in recent:
+                self._unused_since.pop(url, None)
+                continue
+            since = self._unused_since.setdefault(url, now)
+            if now - since >= grace_s:
+                close_receiver_socket(url, RETIRE_LINGER_MS)
+                del self._unused_since[url]
+                closed.append(url)
+        for url in set(self._unused_since) - receiver_socket_urls():
+            del self._unused_since[url]  # closed by someone else
+        if closed:
+            logger.info("sgl-nixl: closed sockets to prefill ranks no route leads to: %s", closed)
+        return closed
 
     def on_refused(self, endpoint: Endpoint, reason: str) -> None:
         self.ctx.refused[endpoint] = (reason, time.monotonic())

@@ -196,6 +196,30 @@ def receiver_socket(endpoint: Endpoint) -> tuple[Any, Any]:
     return CommonKVReceiver._connect(na.to_tcp(), is_ipv6=na.is_ipv6)
 
 
+def receiver_socket_urls() -> set[str]:
+    """The ``tcp://`` URLs of the decode's cached sockets to prefill ranks."""
+    with CommonKVReceiver._global_lock:
+        return set(CommonKVReceiver._socket_cache)
+
+
+def close_receiver_socket(url: str, linger_ms: int) -> None:
+    """Drop one cached socket; messages still queued on it get ``linger_ms`` to leave.
+
+    SGLang's own ``disconnect_endpoint`` closes with its socket option (no linger), which
+    would drop them.
+    """
+    with CommonKVReceiver._global_lock:
+        sock = CommonKVReceiver._socket_cache.pop(url, None)
+        lock = CommonKVReceiver._socket_locks.pop(url, None)
+    if sock is None:
+        return
+    if lock is None:
+        sock.close(linger=linger_ms)
+        return
+    with lock:  # not while a sender that already holds it is mid-send
+        sock.close(linger=linger_ms)
+
+
 def tcp(endpoint: Endpoint) -> tuple[str, bool]:
     na = NetworkAddress(endpoint[0], int(endpoint[1]))
     return na.to_tcp(), na.is_ipv6

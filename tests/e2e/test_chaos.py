@@ -65,14 +65,11 @@ def test_chaos_soak_loopback(tmp_path: Path) -> None:
 @pytest.mark.timeout(TIMEOUT)
 def test_chaos_soak_netns_link_cuts(tmp_path: Path) -> None:
     """The prefill (with its bootstrap) in one namespace, the decodes in another, UCX over
-    TCP: link cuts and restores overlap with kills and restarts.
-
-    Opt-in (``SGLANG_NIXL_PLUGIN_CHAOS_NETNS=1``) until a leak it finds is fixed: a prefill
-    killed while the link is cut sends its decodes no reset, and once it is back on another
-    port the decodes' route is replaced without the socket to the old port being closed
-    (docs/DESIGN.md, "Known gaps")."""
+    TCP: link cuts and restores overlap with kills and restarts. A prefill killed while the
+    link is cut sends its decodes no reset; once it is back on another port, the decodes
+    must still close their sockets to the old one (the drain check counts them)."""
     if not settings.value("CHAOS_NETNS"):
-        pytest.skip("opt-in: SGLANG_NIXL_PLUGIN_CHAOS_NETNS=1 (a known leak fails it)")
+        pytest.skip("skipped: SGLANG_NIXL_PLUGIN_CHAOS_NETNS=0")
     why = netns_unavailable()
     if why:
         pytest.skip(f"network namespaces unavailable: {why}")

@@ -84,11 +84,25 @@ class FakeRank:
         sock.send_multipart(self.codec.encode(msg))
 
     def recv(self, timeout: float = 5.0) -> Any:
-        if not self.pull.poll(int(timeout * 1000)):
-            raise AssertionError(f"{self.name}: no message within {timeout:.1f}s")
-        decoded = self.codec.decode(self.pull.recv_multipart())
-        assert decoded is not None, f"{self.name}: received a message our codec rejects"
-        return decoded.msg
+        """The next protocol message; a manager's liveness Ping is answered, not returned.
+
+        A manager watches every peer it knows, so its Pings interleave with what a test
+        waits for at any moment; a live peer answers them.
+        """
+        from sgl_nixl_plugin.wire.messages import Ping, Pong
+
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.pull.poll(int(left * 1000)):
+                raise AssertionError(f"{self.name}: no message within {timeout:.1f}s")
+            decoded = self.codec.decode(self.pull.recv_multipart())
+            assert decoded is not None, f"{self.name}: received a message our codec rejects"
+            msg = decoded.msg
+            if isinstance(msg, Ping) and msg.sender != self.name:
+                self.send(msg.port, Pong(self.name, msg.seq, self.ip, self.port))
+                continue
+            return msg
 
     def round_trip(self, port: int, timeout: float = 5.0) -> list[Any]:
         """Ping the manager at ``port``; return what it sent us before its Pong.

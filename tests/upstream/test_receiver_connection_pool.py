@@ -391,3 +391,48 @@ def test_failure_exception_keeps_the_local_reason_and_its_origin(cluster, rooms,
     assert room not in mgr.failure_records
     assert room not in mgr.prefill_response_tracker
     assert receiver.poll() == KVPoll.Failed
+
+
+# -- sockets of routes that left -----------------------------------------------------------
+
+
+def test_sockets_of_routes_that_left_are_closed_and_a_refusers_outlive_them(
+    cluster, rooms, fake_rank
+):
+    """A prefill that came back on another port leaves a socket no route leads to: the
+    decode closes it once it has been unused for the liveness deadline. A socket whose
+    prefill refused this decode stays for a deadline after the refusal (aborts queued on
+    it still leave), and one that a cached route leads to stays."""
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    from sgl_nixl_plugin.adapter.sglang_rooms import receiver_socket, tcp
+    from sgl_nixl_plugin.wire.messages import RegistrationReply
+
+    room = rooms()
+    pool, policy = cluster.decode.connection_pool, cluster.decode.decode.policy
+    gone, refusing, routed = fake_rank("gone"), fake_rank("refusing"), fake_rank("routed")
+    url = {f.name: tcp((f.ip, f.port))[0] for f in (gone, refusing, routed)}
+    pool[f"routed-{room}"] = [routed.info]
+    try:
+        for f in (gone, refusing, routed):
+            receiver_socket((f.ip, f.port))
+        wait_for(lambda: url[gone.name] in policy._unused_since, 5, "the listener to see it")
+        reply = RegistrationReply("agent", 0, False, "test refusal", refusing.ip, refusing.port)
+        refusing.send(cluster.decode.rank_port, reply)
+        refusing.round_trip(cluster.decode.rank_port)  # the refusal has been applied
+
+        def cached() -> set[str]:
+            return set(CommonKVReceiver._socket_cache)
+
+        deadline = cluster.decode.decode.listener.watch.deadline
+        wait_for(lambda: url[gone.name] not in cached(), deadline + 3, "the unused socket closed")
+        assert url[refusing.name] in cached(), "closed within a deadline of its refusal"
+        assert url[routed.name] in cached()
+        wait_for(
+            lambda: url[refusing.name] not in cached(), 2 * deadline + 3, "the refuser's closed"
+        )
+        assert url[routed.name] in cached(), "a socket a route leads to was closed"
+    finally:
+        pool.pop(f"routed-{room}", None)
+        for f in (gone, refusing, routed):
+            CommonKVReceiver.disconnect_endpoint(url[f.name])
