@@ -20,7 +20,7 @@ from sgl_nixl_plugin.adapter.memory import decode_heads, kv_geometry, remote_mem
 from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.descriptors import validate_items
 from sgl_nixl_plugin.engine.engine import PeerLink
-from sgl_nixl_plugin.engine.staging import RemoteStaging
+from sgl_nixl_plugin.engine.staging import RemoteStaging, spare_of
 from sgl_nixl_plugin.protocol.credits import SlotCredits
 from sgl_nixl_plugin.protocol.peers import DecodePeer
 from sgl_nixl_plugin.protocol.prefill_rooms import TransferInfo
@@ -237,7 +237,7 @@ class PrefillControl(ControlLoop):
                 remote = remote_memory(reg.kv, reg.aux, reg.state)
                 ctx.sglang.check_aux_count(reg.agent_name, len(reg.aux))
                 link = ctx.engine.link(reg.agent_metadata, remote, {"kv": geometry})
-                warm_ms = self._warm(link, reg.agent_name)
+                warm_ms = self._warm(link, reg.agent_name, _remote_staging(reg))
                 if ctx.staging is not None and not geometry.is_whole_items:
                     ctx.warm_copier(geometry.unit_len, geometry.src_stride, geometry.src_offset)
             except ValueError as exc:
@@ -263,14 +263,8 @@ class PrefillControl(ControlLoop):
                 assert link is not None
                 previous = peers.accepted.pop(reg.agent_name, None)
                 old_link = previous.link if previous is not None else None
-                staging = None
-                if reg.staging is not None:
-                    r = reg.staging.region
-                    staging = RemoteStaging(
-                        r.ptr, reg.staging.slot_bytes, r.device, r.mem_kind, reg.staging.device_uuid
-                    )
                 peers.accepted[reg.agent_name] = DecodePeer(
-                    reg.agent_name, link, reg, endpoint, staging=staging
+                    reg.agent_name, link, reg, endpoint, staging=_remote_staging(reg)
                 )
                 peers.refused.pop(reg.agent_name, None)
         if old_link is not None:
@@ -290,14 +284,18 @@ class PrefillControl(ControlLoop):
             )
         self._reply(endpoint, reg.agent_name, reason)
 
-    def _warm(self, link: PeerLink, agent: str) -> float | None:
-        """The first WRITE to a new decode, into its padding page, before the reply: the
-        decode waits for the reply before its first request where it can (see
-        ``DecodeWarmup``). A failure is logged, not a refusal: the requests then report it."""
+    def _warm(self, link: PeerLink, agent: str, staging: RemoteStaging | None) -> float | None:
+        """The first WRITEs to a new decode, into its padding page and (staged path) its
+        staging buffer's spare tail, before the reply: the decode waits for the reply
+        before its first request where it can (see ``DecodeWarmup``). A failure is logged,
+        not a refusal: the requests then report it."""
         if not self.ctx.settings.warmup:
             return None
+        engine, local = self.ctx.engine, self.ctx.staging
         try:
-            ms = self.ctx.engine.warm(link) * 1e3
+            ms = engine.warm(link) * 1e3
+            if local is not None and staging is not None:
+                ms += engine.warm_staging(link, local, staging) * 1e3
             self.ctx.warmups += 1
             return ms
         except TransferError as exc:
@@ -402,3 +400,18 @@ class PrefillControl(ControlLoop):
             )
         if msg.generation is not None and msg.ip:
             self.ctx.sglang.ack_abort_when_drained(room, msg.ip, msg.port, msg.generation)
+
+
+def _remote_staging(reg: PeerRegistration) -> RemoteStaging | None:
+    """The decode's staging area as this prefill writes it (None: it has none)."""
+    if reg.staging is None:
+        return None
+    r = reg.staging.region
+    return RemoteStaging(
+        r.ptr,
+        reg.staging.slot_bytes,
+        r.device,
+        r.mem_kind,
+        reg.staging.device_uuid,
+        spare_of(r.ptr, r.length, reg.staging.slot_bytes),
+    )

@@ -87,6 +87,18 @@ class _DeviceIndex:
         self._bases: OrderedDict[bytes, tuple[Any, Any]] = OrderedDict()
         self._units: list[tuple[np.ndarray, Any, Any]] = []  # (host copy, tensor, ready event)
 
+    def warm_uploads(self, largest: int = 1 << 17, per_size: int = 4) -> None:
+        """Run uploads of every power-of-two index count up to ``largest``, ``per_size``
+        at once, and wait: torch keeps the pinned blocks (one size class each) for later
+        uploads, so the first requests' indices do not pay for pinning (about a
+        millisecond per new block)."""
+        stream, n = self.torch.cuda.current_stream(self.device), 128
+        while n <= largest:
+            held = [self._upload(np.zeros(n, dtype=np.int64), stream) for _ in range(per_size)]
+            n *= 2
+        stream.synchronize()
+        del held
+
     def bases(self, bases: Any, stream: Any) -> tuple[Any, int]:
         """The device copy of ``bases`` and the OR of all of them (for the alignment);
         validated and uploaded once per distinct set (they repeat for every piece)."""

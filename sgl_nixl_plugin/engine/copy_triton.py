@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 TILE_BYTES = 16384
 MAX_BLOCK_WORDS = 2048
 NUM_WARPS = 4
+#: Mapped index buffers pinned up front (count, indices each): one per request in flight
+#: at the default concurrency, each as large as an 8k-token request at page size 1 with
+#: head slices to spare.
+MAPPED_RESERVE = (8, 1 << 16)
 
 
 tl: Any = None  # triton.language, bound by _triton_kernel() (the kernel's global ``tl``)
@@ -277,6 +281,7 @@ class TritonCopier(GpuCopier):
         self._map_units = False
         self._mapped_ok: bool | None = None  # the self-test's verdict, once run
         self._mapped = MappedPool(torch)
+        self._uploads_warm = False
         _triton_kernel()
 
     @property
@@ -291,6 +296,8 @@ class TritonCopier(GpuCopier):
     def map_units(self, on: bool) -> None:
         if on and self._mapped_ok is None:
             self._mapped_ok = self._check_mapped()
+            if self._mapped_ok:
+                self._mapped.reserve(*MAPPED_RESERVE)
         self._map_units = bool(on) and bool(self._mapped_ok)
 
     def _check_mapped(self) -> bool:
@@ -377,6 +384,10 @@ class TritonCopier(GpuCopier):
         first launch of a new shape compiles for a second or so. Raises on a wrong copy."""
         stride = unit_len if stride is None else stride
         torch = self.torch
+        if not self._uploads_warm:
+            self._uploads_warm = True
+            with _StreamScope(torch, self.device, None):
+                self._index.warm_uploads()
         g = torch.Generator(device="cpu").manual_seed(0)
         region = torch.randint(0, 256, (offset + 3 * stride,), dtype=torch.uint8, generator=g)
         region = region.to(self.device)

@@ -23,9 +23,17 @@ from sgl_nixl_plugin.engine.descriptors import (
     unit_indices,
 )
 from sgl_nixl_plugin.engine.layout import Geometry, RegionSet
+from sgl_nixl_plugin.engine.staging import RemoteStaging, StagingBuffer
 from sgl_nixl_plugin.registry.spec import AgentConfig
 
 logger = logging.getLogger(__name__)
+
+#: Descriptors of the warm-up WRITE. A one-page WRITE leaves most of the transport's first
+#: request cold (measured: a threaded UCX backend still paid 1.2-1.4x the steady time per
+#: byte on it); one about the size of a request's does not.
+WARM_DESCRIPTORS = 4096
+#: ... within this many bytes (large pages: fewer items).
+WARM_MAX_BYTES = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -196,32 +204,68 @@ class TransferEngine:
             notif=notif,
         )
 
-    def warm(self, link: PeerLink, timeout_s: float = 1.0) -> float:
-        """WRITE item 0 of every KV region into the peer's item 0 and wait for it; seconds.
+    def warm(self, link: PeerLink, timeout_s: float = 3.0) -> float:
+        """WRITE item 0 of every KV region into the peer's item 0, as many times as a
+        request has descriptors (:data:`WARM_DESCRIPTORS`), and wait for it; seconds.
 
         Item 0 is the padding page of SGLang's token pools on both sides (allocators hand
-        out pages from 1), so no request's data is touched. The first WRITE to a new peer
-        pays the transport's wire-up (UCX endpoints, remote keys, CUDA IPC handles): paid
-        here, at registration, it stays off the first request. Raises ``TransferError``.
+        out pages from 1), so no request's data is touched. The first WRITEs to a new peer
+        pay the transport's wire-up (UCX endpoints of every worker thread, remote keys,
+        CUDA IPC handles): paid here, at registration, they stay off the first request.
+        Raises ``TransferError``.
         """
         started = time.monotonic()
-        zero = np.zeros(1, dtype=np.int64)
+        zero = np.zeros(warm_items(link), dtype=np.int64)
         try:
             xfer = self.write(link, "kv", zero, zero)
         except TransferError as exc:
             raise TransferError(f"warm-up WRITE to {link.name}: {exc}") from exc
         if xfer is None:
             return 0.0
-        deadline = started + timeout_s
-        while self.poll(xfer) == "PROC" and time.monotonic() < deadline:
+        self._wait_warm(link, xfer, started + timeout_s, timeout_s)
+        return time.monotonic() - started
+
+    def warm_staging(
+        self, link: PeerLink, local: StagingBuffer, remote: RemoteStaging, timeout_s: float = 3.0
+    ) -> float:
+        """WRITE from our staging buffer's spare tail into the peer's and wait; seconds (0
+        when either has no spare). The staged path WRITEs between staging buffers, other
+        registrations than the KV pool's: their first WRITE (remote key, CUDA IPC mapping
+        of the peer's buffer) is paid here. No slot is touched on either side."""
+        (src, src_len), (dst, dst_len) = local.spare, remote.spare
+        nbytes = min(src_len, dst_len)
+        if nbytes <= 0:
+            return 0.0
+        started = time.monotonic()
+        xfer = self.agent.write_contiguous(
+            src,
+            dst,
+            nbytes,
+            peer=link.name,
+            mem_kind=local.mem_kind,
+            remote_mem_kind=remote.mem_kind,
+            local_device=local.device,
+            remote_device=remote.device,
+        )
+        self._wait_warm(link, xfer, started + timeout_s, timeout_s, "staging warm-up WRITE")
+        return time.monotonic() - started
+
+    def _wait_warm(
+        self,
+        link: PeerLink,
+        xfer: Xfer,
+        deadline: float,
+        timeout_s: float,
+        what: str = "warm-up WRITE",
+    ) -> None:
+        while xfer.state != "ERR" and self.poll(xfer) == "PROC" and time.monotonic() < deadline:
             time.sleep(0.0002)  # a poll interval: the transport's progress runs meanwhile
         if xfer.state != "DONE":
             why = xfer.error or f"still in flight after {timeout_s:.1f}s"
             self.agent.abandon(xfer)
-            raise TransferError(f"warm-up WRITE to {link.name}: {why}")
+            raise TransferError(f"{what} to {link.name}: {why}")
         if not self.release(xfer):
             self.agent.abandon(xfer)
-        return time.monotonic() - started
 
     def poll(self, xfer: Xfer) -> str:
         return self.agent.poll(xfer)
@@ -232,6 +276,17 @@ class TransferEngine:
     def close(self) -> None:
         self._local_lists.clear()
         self.agent.close()
+
+
+def warm_items(link: PeerLink) -> int:
+    """How many padding-page items the warm-up WRITE repeats for ``link``'s KV group."""
+    g = link.groups.get("kv")
+    if g is None:
+        return 1
+    one = np.zeros(1, dtype=np.int64)
+    per_item = max(1, expected_descriptors(one, one, g.num_regions, g.geometry))
+    by_bytes = max(1, WARM_MAX_BYTES // max(1, g.unit_bytes))
+    return int(max(1, min(-(-WARM_DESCRIPTORS // per_item), by_bytes)))
 
 
 def _first(regions: RegionSet, n: int) -> RegionSet:

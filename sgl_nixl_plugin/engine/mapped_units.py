@@ -68,6 +68,18 @@ class MappedPool:
         host[:n] = units
         return MappedUnits(buf, int(buf.data_ptr()), n, self.torch.int64)
 
+    def reserve(self, count: int, capacity: int) -> None:
+        """Pin ``count`` buffers of ``capacity`` indices now: pinning is a driver call of
+        about a millisecond, which the first requests would otherwise pay (within
+        ``max_buffers``)."""
+        with self._lock:
+            count = min(count, self.max_buffers - self._count)
+            self._count += max(0, count)
+        for _ in range(max(0, count)):
+            buf = self.torch.empty(capacity, dtype=self.torch.int64, pin_memory=True)
+            with self._lock:
+                self._free.append((buf, None))
+
     def _reuse(self, n: int) -> Any:
         with self._lock:
             for i, (buf, ev) in enumerate(self._free):

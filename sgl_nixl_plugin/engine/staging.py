@@ -139,8 +139,22 @@ def choose_path(
     return "staging" if staging_s < direct_s else "direct"
 
 
+#: Bytes after the last slot of a staging buffer (of slots larger than that), never handed
+#: out: the warm-up WRITE between two peers' staging buffers (``spare_of``) goes from one's
+#: spare into the other's.
+SPARE_BYTES = 4 << 20  # large enough for the transport's large-message protocol
+
+
+def spare_of(ptr: int, nbytes: int, slot_bytes: int) -> tuple[int, int]:
+    """(address, length) of the spare tail of a staging area of ``nbytes`` cut into
+    ``slot_bytes`` slots; length 0 when it has none."""
+    tail = nbytes - (nbytes // slot_bytes) * slot_bytes if slot_bytes > 0 else 0
+    return (ptr + nbytes - tail, tail) if tail > 0 else (0, 0)
+
+
 class StagingBuffer:
-    """A registered buffer cut into equal slots, with a thread-safe free list."""
+    """A registered buffer cut into equal slots, with a thread-safe free list, and a spare
+    tail (:data:`SPARE_BYTES`) that no slot covers."""
 
     def __init__(
         self, agent: Agent, nbytes: int, slot_bytes: int, mem_kind: str, device: int = 0
@@ -152,7 +166,7 @@ class StagingBuffer:
         self.mem_kind = mem_kind
         self.device = device
         self.device_uuid = ""  # the GPU's, so that a peer can tell it shares that GPU
-        size = self.num_slots * slot_bytes
+        size = self.num_slots * slot_bytes + (SPARE_BYTES if slot_bytes > SPARE_BYTES else 0)
         if mem_kind == "VRAM":
             import torch
 
@@ -164,6 +178,7 @@ class StagingBuffer:
             self._mem = np.full(size, 0, dtype=np.uint8)  # touched now: no faults mid-transfer
             self.ptr = int(self._mem.ctypes.data)
         self.nbytes = size
+        self.spare = spare_of(self.ptr, size, slot_bytes)
         self.regions = RegionSet((self.ptr,), (size,), (slot_bytes,), (device,), mem_kind)
         agent.register(self.regions)
         self._free = deque(range(self.num_slots))
@@ -197,6 +212,7 @@ class RemoteStaging:
     device: int
     mem_kind: str
     device_uuid: str = ""  # of its GPU ("" unknown): same as ours -> one GPU for both sides
+    spare: tuple[int, int] = (0, 0)  # its spare tail (address, length): for the warm-up
 
     def addr(self, slot: int) -> int:
         return self.ptr + slot * self.slot_bytes

@@ -610,3 +610,71 @@ def test_host_mapped_indices_stay_off_when_their_self_test_fails(monkeypatch):
     assert copier.map_units is True
     copier.map_units = False
     assert copier.map_units is False
+
+
+def test_mapped_pool_reserves_pinned_buffers_that_later_requests_reuse():
+    """``reserve`` pins its buffers up front (within ``max_buffers``); a request that fits
+    takes one of them instead of pinning a new one."""
+    from sgl_nixl_plugin.engine.mapped_units import MappedPool
+
+    class PinningTorch:  # only what MappedPool calls; counts the pinned allocations
+        int64 = np.int64
+
+        def __init__(self) -> None:
+            self.pinned: list[int] = []
+
+        def empty(self, n, dtype, pin_memory):
+            assert pin_memory
+            self.pinned.append(n)
+
+            class Buf:
+                def __init__(self) -> None:
+                    self.a = np.zeros(n, dtype=np.int64)
+                    self.shape = self.a.shape
+
+                def numpy(self):
+                    return self.a
+
+                def data_ptr(self):
+                    return self.a.ctypes.data
+
+            return Buf()
+
+    torch = PinningTorch()
+    pool = MappedPool(torch, max_buffers=3)
+    pool.reserve(5, 4096)
+    assert torch.pinned == [4096] * 3  # bounded by max_buffers
+    units = np.arange(3000, dtype=np.int64)
+    taken = [pool.take(units) for _ in range(3)]
+    assert all(t is not None and np.array_equal(t._buf.a[:3000], units) for t in taken)
+    assert torch.pinned == [4096] * 3 and pool.in_use == 3  # reused, none pinned
+    assert pool.take(units) is None  # past max_buffers: the caller uploads instead
+
+
+@gpu
+def test_gpu_copier_pins_its_index_buffers_at_start(torch_cuda) -> None:
+    """Turning mapped indices on reserves their buffers: a first request of 8k pages takes
+    a reserved one (nothing pinned on its path) and gathers the right bytes."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    c = make_copier("VRAM", 0, prefer="triton")
+    c.warmup(2048)
+    c.map_units = True
+    if not c.map_units:
+        pytest.skip("mapped indices are off on this machine")
+    from sgl_nixl_plugin.engine.copy_triton import MAPPED_RESERVE
+
+    count = c._mapped._count
+    assert count >= MAPPED_RESERVE[0]
+    regs = DeviceRegions(torch_cuda, 2, 9000 * 2048, "bytes", seed=7)
+    units = np.random.default_rng(7).permutation(9000)[:8192]
+    stage = torch_cuda.zeros(2 * 8192 * 2048, dtype=torch_cuda.uint8, device="cuda")
+    u = c.prepare_units(units)
+    c.gather(regs.bases, u, 2048, 2048, 0, stage.data_ptr())
+    c.release_units(u)
+    c.synchronize()
+    assert c._mapped._count == count  # no buffer pinned for the request
+    host = regs.host()
+    want = np.zeros(2 * 8192 * 2048, dtype=np.uint8)
+    NumpyCopier().gather(_host_bases(host), units, 2048, 2048, 0, want.ctypes.data)
+    assert np.array_equal(stage.cpu().numpy(), want)

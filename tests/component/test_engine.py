@@ -30,7 +30,13 @@ from sgl_nixl_plugin.engine.descriptors import (
     expected_descriptors,
     naive_descriptors,
 )
-from sgl_nixl_plugin.engine.engine import PeerLink, TransferEngine
+from sgl_nixl_plugin.engine.engine import (
+    WARM_DESCRIPTORS,
+    WARM_MAX_BYTES,
+    PeerLink,
+    TransferEngine,
+    warm_items,
+)
 from sgl_nixl_plugin.engine.layout import Geometry
 from sgl_nixl_plugin.registry.spec import AgentConfig
 
@@ -483,9 +489,14 @@ def test_warm_up_writes_only_the_padding_page_and_a_dead_peer_fails_it(
     spawn: Callable[[PeerSpec], PeerProcess], engines: list[TransferEngine]
 ) -> None:
     """``warm`` WRITEs item 0 of every KV region into the peer's item 0 (SGLang's padding
-    page), byte for byte and nothing else; against a killed peer it raises within bounds."""
+    page), byte for byte and nothing else, as many times as a request has descriptors
+    (within a byte bound); against a killed peer it raises within bounds."""
     pair = small_pair(spawn, engines, seed=5)
     engine, link = pair.engine, pair.link
+    g = link.groups["kv"]
+    items = warm_items(link)
+    assert items * g.num_regions >= WARM_DESCRIPTORS or items == WARM_MAX_BYTES // g.unit_bytes
+    assert items * g.unit_bytes <= max(WARM_MAX_BYTES, g.unit_bytes)
     assert engine.warm(link) > 0
     assert_landed(pair, "kv", np.array([0]), np.array([0]))
     assert engine.agent.live["xfer"] == 0

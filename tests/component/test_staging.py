@@ -454,14 +454,16 @@ def test_mapped_units_are_read_in_place_byte_exact_and_their_buffers_reused(pair
         _drive([job], b, {id(job): dst})
         assert not job.error and job.done_pieces == len(job.pieces)
         _assert_landed(a, b, [(src, dst)])
+        from sgl_nixl_plugin.engine.copy_triton import MAPPED_RESERVE
+
         pool = a.copier._mapped
-        assert pool.in_use == 0 and pool._count == 1
+        assert pool.in_use == 0 and pool._count == MAPPED_RESERVE[0]  # reserved: none pinned
         assert a.copier._index._units == []  # read in place: no index upload happened
         dst2 = np.setdiff1d(np.arange(P), dst)  # the 16 pages the first request left alone
         src2 = rng.permutation(P)[: len(dst2)]
         job = _send(a, b, link, src2, job.remote_free)  # the receiver slots it handed back
         _drive([job], b, {id(job): dst2})
-        assert pool._count == 1  # the first request's buffer, reused
+        assert pool._count == MAPPED_RESERVE[0]  # a reserved buffer, reused
         _assert_landed(a, b, [(src, dst), (src2, dst2)])
     finally:
         torch.cuda.set_stream(torch.cuda.default_stream())
@@ -484,3 +486,52 @@ def test_a_prefill_sharing_its_gpu_with_the_decode_hints_at_mps_once(monkeypatch
     with caplog.at_level("INFO", logger=tw.logger.name):
         tw._hint_mps(43)
     assert not [r for r in caplog.records if "MPS" in r.getMessage()]
+
+
+@pytest.mark.parametrize("kind", ["DRAM", "VRAM"])
+def test_staging_warm_up_writes_from_spare_tail_to_spare_tail_only(kind):
+    """The staged path's warm-up WRITE goes from our staging buffer's spare tail into the
+    peer's, byte for byte: no slot on either side is read into or written."""
+    from sgl_nixl_plugin.engine.staging import SPARE_BYTES, spare_of
+
+    if kind == "VRAM":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
+    a, b = Side(kind, "data", slots=1, seed=3), Side(kind, "sentinel", slots=1, seed=4)
+    slot = 2 * SPARE_BYTES
+    mine = StagingBuffer(a.engine.agent, 2 * slot, slot, kind)
+    theirs = StagingBuffer(b.engine.agent, 3 * slot, slot, kind)
+    small = StagingBuffer(b.engine.agent, 4 * 1024, 1024, kind)
+    try:
+        assert mine.spare == (mine.ptr + 2 * slot, SPARE_BYTES)
+        assert small.spare == (0, 0) and small.nbytes == 4 * 1024  # small slots: no spare
+        mine._mem[:] = 0x5A
+        theirs._mem[:] = 0
+        link = a.engine.link(b.engine.metadata, b.engine.memory)
+        remote = RemoteStaging(
+            theirs.ptr, slot, 0, kind, spare=spare_of(theirs.ptr, theirs.nbytes, slot)
+        )
+        assert remote.spare == (theirs.ptr + 3 * slot, SPARE_BYTES)
+        stop = threading.Event()
+
+        def progress() -> None:  # the receiver progresses its agent, as the decode listener does
+            while not stop.wait(0.0005):
+                b.engine.agent.progress()
+
+        target = threading.Thread(target=progress, daemon=True)
+        target.start()
+        try:
+            assert a.engine.warm_staging(link, mine, remote) > 0
+        finally:
+            stop.set()
+            target.join(5)
+        got = theirs._mem.cpu().numpy() if kind == "VRAM" else theirs._mem
+        assert (got[3 * slot :] == 0x5A).all(), "the spare tail did not receive the WRITE"
+        assert (got[: 3 * slot] == 0).all(), "a slot of the peer's staging buffer was written"
+        no_spare = RemoteStaging(small.ptr, 1024, 0, kind, spare=(0, 0))
+        assert a.engine.warm_staging(link, mine, no_spare) == 0.0  # nothing to warm
+        assert a.engine.agent.live["xfer"] == 0
+    finally:
+        a.engine.close()
+        b.engine.close()
