@@ -45,6 +45,8 @@ run() {  # label, then bench args
     2>"$OUT/err_${label}.txt" | tee -a "$OUT/e2e.txt"
   echo "exit $?" | tee -a "$OUT/e2e.txt"
   grep -v -i "warn" "$OUT/err_${label}.txt" | grep -i "error\|Traceback" | head -5 | tee -a "$OUT/e2e.txt"
+  # SGLANG_NIXL_PLUGIN_BENCH_LOG=DEBUG: the first rooms' timelines of both sides, and the warm-up
+  grep -h "sgl-nixl room\|sgl-nixl decode room\|warm-up WRITE" "$OUT/err_${label}.txt" | head -7 | cut -c1-400 | tee -a "$OUT/e2e.txt"
 }
 COMMON="--requests 24 --min-tokens 1024 --max-tokens 4096 --concurrency 8"
 run tp11_p16 $COMMON --page-size 16

@@ -29,11 +29,12 @@ from sgl_nixl_plugin.registry.spec import AgentConfig
 logger = logging.getLogger(__name__)
 
 #: Descriptors of the warm-up WRITE. A one-page WRITE leaves most of the transport's first
-#: request cold (measured: a threaded UCX backend still paid 1.2-1.4x the steady time per
-#: byte on it); one about the size of a request's does not.
-WARM_DESCRIPTORS = 4096
-#: ... within this many bytes (large pages: fewer items).
-WARM_MAX_BYTES = 128 << 20
+#: request cold (measured: a threaded UCX backend still paid 1.1-1.4x the steady time per
+#: byte on it); one of 1,024 descriptors or more did not (0.99-1.21x).
+WARM_DESCRIPTORS = 1024
+#: ... within this many bytes (large pages: fewer items), so that a slow link (TCP) keeps
+#: the prefill's control thread busy for tens of milliseconds at most.
+WARM_MAX_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ class TransferEngine:
             notif=notif,
         )
 
-    def warm(self, link: PeerLink, timeout_s: float = 3.0) -> float:
+    def warm(self, link: PeerLink, timeout_s: float = 1.0) -> float:
         """WRITE item 0 of every KV region into the peer's item 0, as many times as a
         request has descriptors (:data:`WARM_DESCRIPTORS`), and wait for it; seconds.
 
@@ -226,7 +227,7 @@ class TransferEngine:
         return time.monotonic() - started
 
     def warm_staging(
-        self, link: PeerLink, local: StagingBuffer, remote: RemoteStaging, timeout_s: float = 3.0
+        self, link: PeerLink, local: StagingBuffer, remote: RemoteStaging, timeout_s: float = 1.0
     ) -> float:
         """WRITE from our staging buffer's spare tail into the peer's and wait; seconds (0
         when either has no spare). The staged path WRITEs between staging buffers, other

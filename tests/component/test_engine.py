@@ -40,7 +40,7 @@ from sgl_nixl_plugin.engine.engine import (
 from sgl_nixl_plugin.engine.layout import Geometry
 from sgl_nixl_plugin.registry.spec import AgentConfig
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]  # a hang guard; the file takes ~30 s
+pytestmark = pytest.mark.timeout(90)  # a hang guard; the file takes ~30 s
 
 TOKEN_BYTES = 64  # one token of one region (e.g. one layer's K): 4 heads x 16 bytes
 REGIONS = 4  # K and V of two layers
