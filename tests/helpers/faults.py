@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -388,11 +389,30 @@ def netns_unavailable() -> str | None:
     return None
 
 
+def _reap_namespaces() -> None:
+    """Delete the namespaces of test runs whose process is gone (a run killed outright
+    does not reach its cleanup); they are named after the pid that made them."""
+    listed = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, timeout=20, check=False
+    ).stdout
+    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+        m = re.fullmatch(r"sglp(\d+)[ab]", name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            subprocess.run(["ip", "netns", "del", name], timeout=20, check=False)
+        except PermissionError:
+            pass  # alive, someone else's
+
+
 @contextmanager
 def netns_pair() -> Iterator[NetnsPair]:
     """Two namespaces joined by a veth pair, 10.250.0.1/24 and 10.250.0.2/24 inside them
     only (and loopback up in each). Both are deleted on exit, whatever happened."""
-    tag = f"{os.getpid() % 100000}"
+    _reap_namespaces()
+    tag = f"{os.getpid()}"
     pair = NetnsPair((f"sglp{tag}a", f"sglp{tag}b"), (f"sgv{tag}a", f"sgv{tag}b"))
     made: list[str] = []
     try:
