@@ -96,7 +96,8 @@ VARS: tuple[Var, ...] = (
     _v("MAP_INDICES", "flag", True, "tuning", "prefill gathers read page indices in place",
        field="map_indices"),
     _v("WARMUP", "flag", True, "tuning",
-       "prefill WRITEs the padding page at registration, taking wire-up off the first request",
+       "prefill WRITEs the padding page and the staging spare at registration, taking "
+       "wire-up off the first request",
        field="warmup"),
     # test: hooks for the test suite and the benchmark
     _v("SGLANG_VERSION_OVERRIDE", "str", "", "test",
