@@ -56,6 +56,14 @@ run cold_p16 $COLD --page-size 16
 run cold_p1 $COLD --page-size 1
 SGLANG_NIXL_PLUGIN_WARMUP=0 run cold_off_p16 $COLD --page-size 16
 run cold_c8_p16 --requests 32 --min-tokens 4096 --max-tokens 8192 --concurrency 8 --page-size 16
+# decode host-pool destinations (VRAM -> pinned host DRAM) against VRAM -> VRAM, same requests
+HOSTW="--requests 16 --min-tokens 4096 --max-tokens 8192 --concurrency 4 --no-state"
+run dev_nostate_p16 $HOSTW --page-size 16
+run host_p16 $HOSTW --page-size 16 --host-every 1
+HOSTW1="--requests 6 --min-tokens 4096 --max-tokens 8192 --concurrency 2 --no-state"
+run dev_nostate_p1 $HOSTW1 --page-size 1
+run host_p1 $HOSTW1 --page-size 1 --host-every 1
+run host_tp21_p16 $HOSTW --page-size 16 --host-every 2 --prefill-tp 2
 run tp11_p1 $COMMON --page-size 1
 run tp21_p16 $COMMON --page-size 16 --prefill-tp 2
 run tp12_p1 $COMMON --page-size 1 --decode-tp 2

@@ -90,7 +90,8 @@ VARS: tuple[Var, ...] = (
     _v("LIVENESS_MISSES", "int", 5, "tuning", "silent intervals before a peer is gone",
        field="liveness_misses", minimum=1),
     _v("ABORT_DRAIN_TIMEOUT", "float", 5.0, "tuning",
-       "seconds a failed room's slots stay out of use", field="abort_drain_timeout_s"),
+       "seconds a failed room's staging slots, and a lost prefill's host-pool pages, stay out "
+       "of use", field="abort_drain_timeout_s"),
     _v("SLOT_WAIT", "float", 2.0, "tuning", "seconds a chunk waits for a slot, then goes direct",
        field="slot_wait_s", minimum=0.0),
     _v("MAP_INDICES", "flag", True, "tuning", "prefill gathers read page indices in place",

@@ -60,6 +60,7 @@ SHARED: tuple[ReliedSignature, ...] = (
     ),
     relied("CommonKVManager.register_deferred_abort_room", "(self, bootstrap_room)"),
     relied("CommonKVManager._maybe_ack_drained_abort", "(self, room)"),
+    relied("CommonKVManager.is_abort_release_safe", "(self, bootstrap_room, required_acks)"),
     relied("CommonKVReceiver.__init__", "(self, mgr, bootstrap_addr, bootstrap_room=None)"),
     relied("CommonKVReceiver.init", "(self, prefill_dp_rank)"),
     relied("CommonKVReceiver._send_abort_notification", "(self, *, force_arm=False)"),
@@ -159,6 +160,7 @@ RELIED_NAMES: tuple[str, ...] = (
     "sglang.srt.plugins.hook_registry:HookType.REPLACE",
     "sglang.srt.disaggregation.utils:TransferBackend",
     "sglang.srt.disaggregation.base:KVArgs",
+    "sglang.srt.disaggregation.base.conn:KVTransferDestination.HOST",
     "sglang.srt.server_args:add_disagg_transfer_backend_choices",
 )
 

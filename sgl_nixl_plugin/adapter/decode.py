@@ -100,6 +100,8 @@ class DecodeListener(ControlLoop):
                 # released once nothing more will be written into them.
                 staging.submit(msg)
             else:
+                if msg.ip:
+                    rooms.abort_acked(msg.room, (msg.ip, msg.port))
                 ctx.sglang.note_abort_ack(msg.room, msg.prefill_rank, msg.generation)
         elif isinstance(msg, RegistrationReply | ForeignReply):
             if ctx.warmup is not None:

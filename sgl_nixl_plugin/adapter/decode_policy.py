@@ -19,6 +19,10 @@ logger = logging.getLogger(__name__)
 Endpoint = tuple[str, int]
 
 
+#: The generation of a host room's abort when SGLang's deferred release is off (a prefill
+#: ACKs only an abort that carries one; a host room waits for every ACK).
+HOST_ABORT_GENERATION = 0
+
 #: How long a retired socket may still flush what is queued on it.
 RETIRE_LINGER_MS = 200
 
@@ -29,8 +33,10 @@ class DecodePolicy:
         self._unused_since: dict[str, float] = {}  # socket URL -> when it stopped mattering
 
     def pending_endpoints(self) -> set[Endpoint]:
-        """Prefill ranks that owe this decode data for some room."""
-        return self.ctx.rooms.endpoints_of(self.ctx.sglang.is_pending)
+        """Prefill ranks that owe this decode data for some room, or an abort ACK for a
+        host room."""
+        rooms = self.ctx.rooms
+        return rooms.endpoints_of(self.ctx.sglang.is_pending) | rooms.drain_endpoints()
 
     def known_endpoints(self) -> set[Endpoint]:
         """Every prefill rank this decode has a cached route to (watched for loss)."""
@@ -43,6 +49,8 @@ class DecodePolicy:
         failed = [
             r for r in self.ctx.rooms.rooms_served_by(endpoint) if self.ctx.sglang.fail(r, reason)
         ]
+        if disconnect:  # gone: no ACK will come from it
+            self.ctx.rooms.peer_lost(endpoint)
         self.forget_endpoint(endpoint, disconnect)
         log = logger.error if failed else logger.info
         log("sgl-nixl: %s (%d requests failed: rooms %s)", reason, len(failed), _rooms(failed))
@@ -101,8 +109,12 @@ class DecodePolicy:
 
     def tell_prefills(self, room: int, endpoints: set[Endpoint], reason: str) -> None:
         """This decode gave ``room`` up on its own: tell its prefill ranks why."""
-        me = self.ctx.me
-        msg = Abort(room, me.ip, me.port, None, reason)
+        me, rooms = self.ctx.me, self.ctx.rooms
+        generation = None
+        if rooms.is_host(room):
+            rooms.aborted(room)
+            generation = HOST_ABORT_GENERATION
+        msg = Abort(room, me.ip, me.port, generation, reason)
         for ep in endpoints:
             self.ctx.send(ep, msg)
 

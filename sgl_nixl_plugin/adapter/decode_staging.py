@@ -39,6 +39,12 @@ logger = logging.getLogger(__name__)
 SUCCESS = 4  # KVPoll.Success
 
 
+#: Copiers whose scatter writes any address the process can (the numpy one on host memory;
+#: Triton through unified addressing: SGLang pins its host pool with cudaHostRegister, which
+#: maps it for the GPU at the same address). The torch copier wraps device memory only.
+HOST_SCATTER_COPIERS = ("NumpyCopier", "TritonCopier")
+
+
 def _expand(pages: Any, upp: int) -> Any:
     """Unit numbers of ``pages`` with ``upp`` units a page (``unit_indices_of``), computed
     where ``pages`` lives: numpy, or torch on the calling thread's (bound) stream."""
@@ -89,6 +95,7 @@ class DecodeStaging:
         agent: Any,
         kv: Any,
         rooms: DecodeRooms,
+        host_kv: Any = None,
         buffer: StagingBuffer,
         device: int,
         messenger: SlotMessenger,
@@ -109,6 +116,11 @@ class DecodeStaging:
         self.bases = np.asarray(kv.ptrs, dtype=np.uint64)
         self.region_len = min(kv.lens) if len(self.bases) else 0
         self.item_len = int(kv.item_lens[0]) if len(self.bases) else 0
+        # the host pool (SGLang's host receive): its rooms' pieces scatter there, where the
+        # copier can write host memory (numpy; Triton through the pool's mapped pinning)
+        self.host_bases = np.asarray(host_kv.ptrs, dtype=np.uint64) if host_kv is not None else None
+        self.host_region_len = min(host_kv.lens) if host_kv is not None else 0
+        self._host_bases_dev: Any = None
         self.copier: Any = None
         self.stream: Any = None
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -120,6 +132,11 @@ class DecodeStaging:
             target=self._complete, name="sgl-nixl-scatter-done", daemon=True
         )
 
+    @property
+    def host_capable(self) -> bool:
+        """Pieces of host rooms can be scattered into the host pool (after ``start``)."""
+        return self._host_bases_dev is not None
+
     def start(self) -> None:
         from sgl_nixl_plugin.engine.copy_kernels import make_copier
 
@@ -130,6 +147,8 @@ class DecodeStaging:
             self.stream = torch.cuda.Stream(device=self.device)
         self.scatters = ScatterQueue(self.copier, self.stream)
         self._bases_dev = self.copier.prepare_bases(self.bases, self.stream)
+        if self.host_bases is not None and type(self.copier).__name__ in HOST_SCATTER_COPIERS:
+            self._host_bases_dev = self.copier.prepare_bases(self.host_bases, self.stream)
         warm = getattr(self.copier, "warmup", None)
         if warm is not None and self.item_len > 0:
             try:  # the equal-TP scatter shape, compiled now rather than in the first request
@@ -199,6 +218,8 @@ class DecodeStaging:
                             PieceDone(item.room, self.agent_name, item.slot, item.seq),
                         )
                     elif isinstance(item, AbortAck):
+                        if item.ip:  # a host room counts its ACKs by prefill rank
+                            self.rooms.abort_acked(item.room, (item.ip, item.port))
                         self._note_abort_ack(item.room, item.prefill_rank, item.generation)
                     else:
                         self._apply_status(item)
@@ -248,9 +269,10 @@ class DecodeStaging:
             return
         assert pages is not None and self.scatters is not None
         units = self._units_of(m, pages)
+        bases = self._host_bases_dev if self.rooms.is_host(m.room) else self._bases_dev
         self.scatters.launch(
             m,
-            bases=self._bases_dev[m.r0 : m.r1],
+            bases=bases[m.r0 : m.r1],
             units=units[m.j0 : m.j1],
             unit_len=m.unit_len,
             stride=m.dst_stride,
@@ -262,6 +284,10 @@ class DecodeStaging:
         """Why the piece cannot be scattered where it says ('' if it can)."""
         if pages is None:
             return f"slot {m.slot} was not granted to this room"
+        host = self.rooms.is_host(m.room)
+        if host and not self.host_capable:
+            return "a piece of a host room, but this decode scatters into device pages only"
+        region_len = self.host_region_len if host else self.region_len
         if not (m.r0 < m.r1 <= len(self.bases)):
             return f"regions [{m.r0}, {m.r1}) outside [0, {len(self.bases)})"
         if m.page_start + m.page_count > len(pages):
@@ -272,6 +298,6 @@ class DecodeStaging:
             return "piece larger than a staging slot"
         chunk = pages[m.page_start : m.page_start + m.page_count]
         last = (int(chunk.max()) + 1) * m.units_per_item if len(chunk) else 0
-        if m.dst_offset + last * m.dst_stride > self.region_len + (m.dst_stride - m.unit_len):
+        if m.dst_offset + last * m.dst_stride > region_len + (m.dst_stride - m.unit_len):
             return "destination beyond the registered KV region"
         return ""

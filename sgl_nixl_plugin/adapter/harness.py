@@ -86,6 +86,13 @@ def state_type(name: str) -> Any:
     return StateType(name)
 
 
+def host_destination() -> Any:
+    """SGLang's ``KVTransferDestination.HOST``: ``send_metadata`` into the host pool."""
+    from sglang.srt.disaggregation.base.conn import KVTransferDestination
+
+    return KVTransferDestination.HOST
+
+
 def local_ip_finder() -> Callable[[], str]:
     """SGLang's own local-address detection (``get_local_ip_auto``), the address its KV
     managers bind to when neither ``SGLANG_HOST_IP`` nor ``HOST_IP`` is set.

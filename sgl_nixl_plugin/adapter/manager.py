@@ -141,11 +141,12 @@ class NixlPluginKVManager(CommonKVManager):
         announce()
         metrics.prepare()
         logger.info(
-            "sgl-nixl: %s manager ready (agent %s, %s KV, %d regions, control %s:%s)",
+            "sgl-nixl: %s manager ready (agent %s, %s KV, %d regions%s, control %s:%s)",
             disaggregation_mode.value,
             self.engine.name,
             self.kv_mem_kind,
             len(memory.kv),
+            "" if memory.host_kv is None else f", with a host pool of {len(memory.host_kv)}",
             self.local_ip,
             self.rank_port,
         )
@@ -212,6 +213,7 @@ class NixlPluginKVManager(CommonKVManager):
                 agent=self.engine.agent,
                 kv=self.engine.memory.kv,
                 rooms=rooms,
+                host_kv=self.engine.memory.host_kv,
                 buffer=buffer,
                 device=gpu,
                 messenger=SlotMessenger(self.engine.name, ctx.send),
@@ -264,8 +266,30 @@ class NixlPluginKVManager(CommonKVManager):
 
     def _send_abort_ack(self, room: int, target: AbortTarget) -> None:
         self.transport.send(
-            (target.ip, target.port), AbortAck(room, self.prefill_rank_id, target.generation)
+            (target.ip, target.port),
+            AbortAck(
+                room, self.prefill_rank_id, target.generation, self.local_ip, int(self.rank_port)
+            ),
         )
+
+    # -- decode: host-pool destinations ---------------------------------------------------
+    @property  # type: ignore[override]  # SGLang declares a class attribute
+    def supports_host_destination(self) -> bool:
+        """A decode whose KVArgs describe a host pool: it is registered with NIXL and
+        advertised to every prefill, which then WRITEs a HOST request's pages there."""
+        return (
+            self.disaggregation_mode == DisaggregationMode.DECODE
+            and self.engine.memory.host_kv is not None
+        )
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """SGLang's count of abort ACKs, except for a host destination: its pages are held
+        until every prefill rank it was sent to acked or was lost (``release_safe``)."""
+        if self.disaggregation_mode == DisaggregationMode.DECODE and self.decode.rooms.is_host(
+            bootstrap_room
+        ):
+            return self.decode.rooms.release_safe(bootstrap_room)
+        return super().is_abort_release_safe(bootstrap_room, required_acks)
 
     def record_failure(self, bootstrap_room: int, failure_reason: str) -> None:
         """SGLang's, and on a decode each failed room's first reason is counted in
@@ -305,6 +329,8 @@ class NixlPluginKVManager(CommonKVManager):
             aux=to_regions(mem.aux),
             state=[to_regions(s) for s in mem.state],
             staging=self.decode.staging_area(),
+            host_kv=to_regions(mem.host_kv) if mem.host_kv is not None else [],
+            host_state=[to_regions(s) for s in mem.host_state],
         )
         return self.codec.encode(reg)
 
@@ -329,7 +355,14 @@ class NixlPluginKVManager(CommonKVManager):
                 for s in (state_indices or [])
             ]
         )
-        staged = self.decode.staging is not None and not is_dummy and len(kv) > 0
+        host = self.decode.rooms.is_host(bootstrap_room)
+        staging = self.decode.staging
+        staged = (
+            staging is not None
+            and not is_dummy
+            and len(kv) > 0
+            and (not host or staging.host_capable)
+        )
         slots = self.decode.request(bootstrap_room, kv, staged, bool(is_dummy))
         req = TransferRequest(
             room=bootstrap_room,
@@ -343,6 +376,7 @@ class NixlPluginKVManager(CommonKVManager):
             indices=index_specs(kv, state),
             staged=staged,
             staging_slots=slots,
+            host=host,
         )
         return self.codec.encode(req, [kv, *state])
 

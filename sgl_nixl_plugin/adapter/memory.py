@@ -55,16 +55,41 @@ def memory_from_kv_args(kv_args: Any, kind: str) -> Memory:
         "DRAM",
         0,
     )
-    state = tuple(
+    state = _state_sets(kv_args, "state", kind, dev)
+    host_kv, host_state = host_memory(kv_args)
+    return Memory(kv, aux, state, host_kv, host_state)
+
+
+def _state_sets(kv_args: Any, prefix: str, kind: str, dev: int) -> tuple[RegionSet, ...]:
+    return tuple(
         RegionSet.of(list(p), list(n), list(i), kind, dev)
         for p, n, i in zip(
-            getattr(kv_args, "state_data_ptrs", None) or [],
-            getattr(kv_args, "state_data_lens", None) or [],
-            getattr(kv_args, "state_item_lens", None) or [],
+            getattr(kv_args, f"{prefix}_data_ptrs", None) or [],
+            getattr(kv_args, f"{prefix}_data_lens", None) or [],
+            getattr(kv_args, f"{prefix}_item_lens", None) or [],
             strict=False,
         )
     )
-    return Memory(kv, aux, state)
+
+
+def host_memory(kv_args: Any) -> tuple[RegionSet | None, tuple[RegionSet, ...]]:
+    """A decode's host pool, where SGLang receives KV when its device pool is full
+    (``--disaggregation-decode-host-receive-threshold`` below 1): host memory with the
+    device pool's items (SGLang checks that before it builds the manager). None when it
+    has none."""
+    ptrs = list(getattr(kv_args, "host_kv_data_ptrs", None) or [])
+    if not ptrs:
+        return None, ()
+    kv = RegionSet.of(
+        ptrs, list(kv_args.host_kv_data_lens), list(kv_args.host_kv_item_lens), "DRAM", 0
+    )
+    if list(kv.item_lens) != [int(i) for i in kv_args.kv_item_lens]:
+        raise ValueError(
+            "the decode's host KV pool has other item sizes than its device pool "
+            f"({list(kv.item_lens[:2])} vs {list(kv_args.kv_item_lens[:2])}): "
+            "sgl-nixl-plugin writes host pages with the device pool's layout"
+        )
+    return kv, _state_sets(kv_args, "host_state", "DRAM", 0)
 
 
 def to_regions(regions: RegionSet) -> list[Region]:
@@ -89,9 +114,19 @@ def from_regions(regions: list[Region], default_kind: str = "VRAM") -> RegionSet
     )
 
 
-def remote_memory(kv: list[Region], aux: list[Region], state: list[list[Region]]) -> Memory:
+def remote_memory(
+    kv: list[Region],
+    aux: list[Region],
+    state: list[list[Region]],
+    host_kv: list[Region] | None = None,
+    host_state: list[list[Region]] | None = None,
+) -> Memory:
     return Memory(
-        from_regions(kv), from_regions(aux, "DRAM"), tuple(from_regions(s) for s in state)
+        from_regions(kv),
+        from_regions(aux, "DRAM"),
+        tuple(from_regions(s) for s in state),
+        from_regions(host_kv, "DRAM") if host_kv else None,
+        tuple(from_regions(s, "DRAM") for s in host_state or []),
     )
 
 

@@ -19,7 +19,7 @@ from sgl_nixl_plugin.adapter.control_loop import ControlLoop
 from sgl_nixl_plugin.adapter.memory import decode_heads, kv_geometry, remote_memory
 from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.descriptors import validate_items
-from sgl_nixl_plugin.engine.engine import PeerLink
+from sgl_nixl_plugin.engine.engine import HOST, PeerLink
 from sgl_nixl_plugin.engine.staging import RemoteStaging, spare_of
 from sgl_nixl_plugin.protocol.credits import SlotCredits
 from sgl_nixl_plugin.protocol.peers import DecodePeer
@@ -234,7 +234,7 @@ class PrefillControl(ControlLoop):
                     src_tp_rank=ctx.attn_tp_rank,
                     dst_tp_rank=reg.tp_rank,
                 )
-                remote = remote_memory(reg.kv, reg.aux, reg.state)
+                remote = remote_memory(reg.kv, reg.aux, reg.state, reg.host_kv, reg.host_state)
                 ctx.sglang.check_aux_count(reg.agent_name, len(reg.aux))
                 link = ctx.engine.link(reg.agent_metadata, remote, {"kv": geometry})
                 warm_ms = self._warm(link, reg.agent_name, _remote_staging(reg))
@@ -340,19 +340,23 @@ class PrefillControl(ControlLoop):
         kv = np.empty(0, np.int32) if kv is None else kv
         problem = None
         if not req.is_dummy:
-            kv_group = peer.link.groups.get("kv")
-            problem = validate_items(
-                kv, kv_group.remote_items if kv_group else 0, "destination page"
-            )
+            prefix, where = (HOST, "host ") if req.host else ("", "")
+            kv_group = peer.link.groups.get(f"{prefix}kv")
+            if kv_group is None and req.host:
+                problem = "a host destination, but the decode registered no host KV pool"
+            else:
+                problem = validate_items(
+                    kv, kv_group.remote_items if kv_group else 0, f"{where}destination page"
+                )
             aux_group = peer.link.groups.get("aux")
             if problem is None and req.aux_index >= 0 and aux_group is not None:
                 problem = validate_items(
                     np.array([req.aux_index]), aux_group.remote_items, "aux row"
                 )
             for i, s in enumerate(state):
-                g = peer.link.groups.get(f"state{i}")
+                g = peer.link.groups.get(f"{prefix}state{i}")
                 if problem is None and len(s):
-                    problem = validate_items(s, g.remote_items if g else 0, f"state[{i}]")
+                    problem = validate_items(s, g.remote_items if g else 0, f"{where}state[{i}]")
         if problem is not None:
             ctx.reject("index_out_of_range", f"room {room}: {problem}", req.agent_name)
             # Only the sender of the bad request is told: a forged request must not be able
@@ -372,6 +376,7 @@ class PrefillControl(ControlLoop):
                 state=list(state),
                 required_dst_info_num=req.required_dst_info_num,
                 is_dummy=req.is_dummy,
+                host=req.host,
             )
         )
         if count is None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
 from sgl_nixl_plugin.adapter import bootstrap_client
+from sgl_nixl_plugin.adapter.decode_policy import HOST_ABORT_GENERATION
 from sgl_nixl_plugin.wire.messages import Abort
 
 
@@ -33,17 +34,45 @@ class NixlPluginKVReceiver(CommonKVReceiver):
             self.conclude_state = KVPoll.Failed
             side.policy.tell_prefills(self.bootstrap_room, endpoints, why)
 
-    def send_metadata(self, *args: Any, **kwargs: Any) -> None:
+    @property
+    def supports_host_destination(self) -> bool:
+        return bool(self.kv_mgr.supports_host_destination)
+
+    def send_metadata(
+        self,
+        kv_indices: Any,
+        aux_index: int | None = None,
+        state_indices: list | None = None,
+        decode_prefix_len: int | None = None,
+        destination: KVTransferDestination = KVTransferDestination.DEVICE,
+        **kwargs: Any,
+    ) -> None:
         """SGLang builds one transfer request per prefill rank, in ``bootstrap_infos``
         order: the room's record learns which rank each goes to, so that the staging slots
-        granted in it are known to be that rank's (freed when its Success is applied)."""
+        granted in it are known to be that rank's (freed when its Success is applied).
+
+        A HOST destination (pages of the decode's host pool) is marked on the record, which
+        the requests then carry; SGLang's common receiver refuses anything but DEVICE.
+        """
         rooms, room = self.kv_mgr.decode.rooms, self.bootstrap_room
         infos = getattr(self, "bootstrap_infos", None) or []
         rooms.start_requests(room, [(i["rank_ip"], int(i["rank_port"])) for i in infos])
+        if destination == KVTransferDestination.HOST:
+            if not self.supports_host_destination:
+                raise ValueError(
+                    f"room {room}: a host KV destination, but this decode registered no "
+                    "host pool (SGLang gave KVArgs no host_kv_data_ptrs)"
+                )
+            rooms.set_host(room)
         try:
-            super().send_metadata(*args, **kwargs)
+            super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, **kwargs)
         finally:
             rooms.end_requests(room)
+
+    def is_abort_release_safe(self) -> bool:
+        """Nothing more can land in this room's host pages (see ``DecodeRooms.release_safe``);
+        answerable until ``clear()``."""
+        return self.kv_mgr.decode.rooms.release_safe(self.bootstrap_room)
 
     def _get_bootstrap_info_from_server(
         self, prefill_dp_rank: int, prefill_cp_rank: int, target_tp_rank: int, target_pp_rank: int
@@ -67,9 +96,15 @@ class NixlPluginKVReceiver(CommonKVReceiver):
         return self.kv_mgr.request_status.get(self.bootstrap_room) == KVPoll.Success
 
     def _send_abort_notification(self, *, force_arm: bool = False) -> None:
-        mgr = self.kv_mgr
+        mgr, room = self.kv_mgr, self.bootstrap_room
+        rooms = mgr.decode.rooms
         if mgr.enable_deferred_decode_kv_release and (force_arm or self.init_time is not None):
-            self._abort_generation = mgr.decode.ctx.sglang.arm_abort(self.bootstrap_room)
-        msg = Abort(self.bootstrap_room, mgr.local_ip, int(mgr.rank_port), self._abort_generation)
+            self._abort_generation = mgr.decode.ctx.sglang.arm_abort(room)
+        generation = self._abort_generation
+        if rooms.is_host(room):
+            rooms.aborted(room)
+            if generation is None:
+                generation = HOST_ABORT_GENERATION  # any: the prefill acks only with one
+        msg = Abort(room, mgr.local_ip, int(mgr.rank_port), generation)
         for info in self.bootstrap_infos or []:
             mgr.transport.send((info["rank_ip"], int(info["rank_port"])), msg)

@@ -199,7 +199,7 @@ class TransferWorker:
             rec.jobs.append(job)
             rec.path = "staging"
         else:
-            xfers.append(engine.write(link, "kv", chunk.pages, dst))
+            xfers.append(engine.write(link, f"{info.groups}kv", chunk.pages, dst))
         if chunk.is_last:
             if chunk.aux_index is not None and info.aux_index >= 0:
                 xfers.append(
@@ -215,7 +215,7 @@ class TransferWorker:
                     raise TransferError(
                         f"state[{i}]: prefill has {len(src)} indices, decode {len(dst_state)}"
                     )
-                xfers.append(engine.write(link, f"state{i}", src, dst_state))
+                xfers.append(engine.write(link, f"{info.groups}state{i}", src, dst_state))
         rec.peers.add(info.agent)
         for x in xfers:
             self._track(rec, x)

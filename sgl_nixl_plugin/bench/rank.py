@@ -88,6 +88,16 @@ def _setup(spec: RankSpec) -> dict[str, Any]:
     return {"server_args": sa, "classes": classes}
 
 
+def _host_buffer(nbytes: int, mem_kind: str) -> np.ndarray:
+    """A decode host pool's buffer: pinned next to a GPU pool, as SGLang pins its host pool
+    (pageable memory would halve device-to-host copies), else plain touched pages."""
+    if mem_kind == "VRAM":
+        import torch
+
+        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+    return np.full(nbytes, 0, dtype=np.uint8)
+
+
 class Pools:
     """KV, aux and state buffers of one rank (numpy for DRAM, torch for VRAM)."""
 
@@ -125,6 +135,10 @@ class Pools:
             self.state = np.zeros(self.aux_rows * STATE_ITEM_BYTES, dtype=np.uint8)
             self.state_ptr = self.state.ctypes.data
         self.kv_len = nbytes
+        # a decode's host pool (SGLang's host receive): host memory, the device pool's items
+        self.host: list[np.ndarray] = []
+        if spec.role == "decode" and w.host_every:
+            self.host = [_host_buffer(nbytes, spec.mem_kind) for _ in range(w.shape.regions())]
         self.aux_item_bytes = tuple(aux_item_bytes)
         self.aux = [np.zeros(self.aux_rows * n, dtype=np.uint8) for n in self.aux_item_bytes]
         self.global_heads = (
@@ -133,8 +147,15 @@ class Pools:
             else spec.tp_rank * self.heads + np.arange(self.heads)
         )
 
-    def region_words(self, r: int) -> Any:
-        """Region ``r`` as (pages, tokens, heads, words) uint32: a numpy or torch view."""
+    def region_words(self, r: int, host: bool = False) -> Any:
+        """Region ``r`` (of the host pool: ``host``) as (pages, tokens, heads, words)
+        uint32: a numpy or torch view."""
+        if host:
+            return (
+                self.host[r]
+                .view(np.uint32)
+                .reshape(self.pages, self.page_size, self.heads, self.head_words)
+            )
         if self.mem_kind == "VRAM":
             import torch
 
@@ -162,14 +183,14 @@ class Pools:
         else:
             view[pages] = pat
 
-    def check(self, room: int, pages: np.ndarray) -> int:
+    def check(self, room: int, pages: np.ndarray, host: bool = False) -> int:
         """Number of pages (over all regions) whose bytes differ from the pattern."""
         n = np.arange(len(pages))
         bad = 0
         for r in range(len(self.kv_ptrs)):
             pat = pattern(room, r, n, self.page_size, self.global_heads, self.head_words)
-            view = self.region_words(r)
-            if self.mem_kind == "VRAM":
+            view = self.region_words(r, host)
+            if self.mem_kind == "VRAM" and not host:
                 import torch
 
                 got = (
@@ -240,6 +261,13 @@ class Pools:
         else:
             # SGLang labels a decode's KV pool VRAM for NIXL whatever the device
             a.kv_data_mem_kinds = ["VRAM"] * n
+            if self.host:
+                # DecodePreallocQueue._init_kv_manager with host receive on: the host pool
+                # group's buffers, checked equal in layout to the device pool's (no host
+                # state: that is SWA only, and this pool has none)
+                a.host_kv_data_ptrs = [h.ctypes.data for h in self.host]
+                a.host_kv_data_lens = [h.nbytes for h in self.host]
+                a.host_kv_item_lens = [self.item_len] * n
         if spec.mem_kind == "DRAM" and spec.env.get("SGLANG_PLUGINS") == INTREE_PLUGINS:
             # SGLang's in-tree backend believes the label (a prefill without one: VRAM) and
             # UCX refuses host memory as VRAM: it can only run on DRAM with the label fixed,
@@ -455,6 +483,11 @@ def run_decode(
     )
     w = spec.workload
     pool = PagePool(pools.pages, seed=w.seed + 31 * spec.instance + 7 * spec.tp_rank + 2)
+    # SGLang's host allocator hands out page 0 too (only the device pools keep it back)
+    host_pool = PagePool(pools.pages, seed=w.seed + 13 * spec.tp_rank + 5, padding_page=False)
+    host_dst = harness.host_destination() if w.host_every else None
+    if host_dst is not None and not mgr.supports_host_destination:
+        raise RuntimeError("the decode manager does not support host KV destinations")
     slots = list(range(1, pools.aux_rows))
     reqs = spec.workload.make_requests()
     index_of = {r.room: i for i, r in enumerate(reqs)}
@@ -465,7 +498,8 @@ def run_decode(
     ready: set[str] = set()
     resolved: set[str] = set()
     probed: dict[str, float] = {}
-    while (pending or active) and time.monotonic() < deadline:
+    held: dict[int, tuple[dict[str, Any], float]] = {}  # failed host rooms, pages kept
+    while (pending or active or held) and time.monotonic() < deadline:
         while pending and len(active) < w.concurrency:
             r = pending[0]
             addr = spec.prefill_addr_of(index_of[r.room])
@@ -485,7 +519,7 @@ def run_decode(
                 if warmed is not None and not warmed(addr):
                     break
                 ready.add(addr)
-            pages = pool.alloc(r.pages(w.page_size), r.contiguous)
+            pages = (host_pool if r.host else pool).alloc(r.pages(w.page_size), r.contiguous)
             if pages is None:
                 break
             pending.pop(0)
@@ -498,7 +532,10 @@ def run_decode(
             t0 = time.perf_counter()
             if ready_s is None:
                 ready_s = t0 - started
-            receiver.send_metadata(pages, slot, state)
+            if r.host:
+                receiver.send_metadata(pages, slot, state, destination=host_dst)
+            else:
+                receiver.send_metadata(pages, slot, state)
             active[r.room] = {
                 "req": r,
                 "receiver": receiver,
@@ -529,15 +566,27 @@ def run_decode(
                 "wall1": time.time(),
             }
             if status == KVPoll.Failed:
+                if r.host:
+                    receiver.abort()  # as SGLang's decode does for a failed host receive
                 try:
                     receiver.failure_exception()
                 except Exception as exc:
                     res["reason"] = str(exc)
+                if r.host:
+                    # SGLang keeps the host pages until the receiver says that nothing more
+                    # can land in them (no timeout: a remote WRITE may not have stopped)
+                    res["host"] = True
+                    held[room] = (ctx, time.perf_counter())
+                    results[room] = res
+                    del active[room]
+                    continue
             else:
                 receiver.clear()
                 res["bytes"] = len(ctx["pages"]) * pools.item_len * len(pools.kv_ptrs)
+                if r.host:
+                    res["host"] = True
                 if spec.verify:
-                    res["bad_pages"] = pools.check(room, ctx["pages"])
+                    res["bad_pages"] = pools.check(room, ctx["pages"], r.host)
                     slot = ctx["slot"]
                     res["bad_aux"] = sum(
                         int(
@@ -556,14 +605,22 @@ def run_decode(
             results[room] = res
             if progress is not None:
                 progress(len(results))
-            pool.release(ctx["pages"])
+            (host_pool if r.host else pool).release(ctx["pages"])
             slots.append(ctx["slot"])
             del active[room]
+        for room, (ctx, since) in list(held.items()):
+            if ctx["receiver"].is_abort_release_safe():
+                ctx["receiver"].clear()
+                results[room]["held_s"] = time.perf_counter() - since
+                host_pool.release(ctx["pages"])
+                slots.append(ctx["slot"])
+                del held[room]
         time.sleep(0.0005)
     timed_out = [r.room for r in pending] + list(active)
     result = {
         "results": results,
         "timed_out": timed_out,
+        "host_pages_held": sorted(held),  # failed host rooms never said safe to reuse
         "tables": _tables(mgr),
         "ready_s": ready_s,
     }

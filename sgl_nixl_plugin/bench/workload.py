@@ -69,6 +69,7 @@ class Request:
     contiguous: bool
     with_state: bool
     send_delay_ms: float = 0.0  # before its first send (see ``Workload.send_delays_ms``)
+    host: bool = False  # the decode receives it into its host pool (SGLang's host receive)
 
     def pages(self, page_size: int) -> int:
         return -(-self.tokens // page_size)
@@ -91,6 +92,16 @@ class Workload:
     state: bool = True
     seed: int = 1234
     extra_pool_pages: int = 8
+    # every n-th request (from the first) goes to the decode's host pool; 0: none. SGLang's
+    # host receive takes full KV (and paged SWA) only: no per-request state with it
+    host_every: int = 0
+
+    def __post_init__(self) -> None:
+        if self.host_every and self.state:
+            raise ValueError(
+                "host destinations carry no per-request state (SGLang's host receive "
+                "refuses state pools other than SWA): run them without state"
+            )
 
     def make_requests(self) -> list[Request]:
         rng = np.random.default_rng(self.seed)
@@ -109,6 +120,7 @@ class Workload:
                     contiguous,
                     self.state,
                     self.send_delays_ms[i % len(self.send_delays_ms)],
+                    bool(self.host_every) and i % self.host_every == 0,
                 )
             )
         return out
@@ -126,10 +138,12 @@ class PagePool:
     seed: int
     free: list[int] = field(default_factory=list)
 
+    padding_page: bool = True  # page 0 stays unused, as SGLang's device pools keep it
+
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)
         self.mask = np.ones(self.num_pages, dtype=bool)
-        self.mask[0] = False  # page 0 stays unused, as SGLang keeps it for padding
+        self.mask[0] = not self.padding_page
 
     def alloc(self, n: int, contiguous: bool) -> np.ndarray | None:
         free = np.flatnonzero(self.mask)

@@ -44,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--fragmentation", choices=["random", "contiguous", "mixed"], default="random")
     w.add_argument("--no-state", action="store_true", help="do not transfer a state row")
+    w.add_argument(
+        "--host-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every N-th request goes into the decode's host pool, as SGLang's "
+        "--disaggregation-decode-host-receive-threshold does (1: all; implies --no-state)",
+    )
     w.add_argument("--seed", type=int, default=1234)
     d = p.add_argument_group("deployment")
     d.add_argument("--prefill-tp", type=int, default=1)
@@ -99,8 +107,9 @@ def workload_of(args: argparse.Namespace) -> Workload:
         chunks=(args.chunks,),
         chunk_gap_ms=args.chunk_gap_ms,
         fragmentation=args.fragmentation,
-        state=not args.no_state,
+        state=not args.no_state and not args.host_every,
         seed=args.seed,
+        host_every=max(0, args.host_every),
     )
 
 

@@ -44,11 +44,26 @@ class Memory:
     kv: RegionSet
     aux: RegionSet
     state: tuple[RegionSet, ...] = ()
+    # a decode's host pool: the same items as ``kv`` / ``state``, in host memory
+    host_kv: RegionSet | None = None
+    host_state: tuple[RegionSet, ...] = ()
 
     def groups(self) -> dict[str, RegionSet]:
         out = {"kv": self.kv, "aux": self.aux}
         out.update({f"state{i}": s for i, s in enumerate(self.state)})
+        if self.host_kv is not None:
+            out[f"{HOST}kv"] = self.host_kv
+        out.update({f"{HOST}state{i}": s for i, s in enumerate(self.host_state)})
         return {k: v for k, v in out.items() if len(v)}
+
+
+#: Prefix of a peer's host-pool groups; each is written from the local group it names.
+HOST = "host_"
+
+
+def local_group(group: str) -> str:
+    """The local group that a peer's ``group`` is written from (``host_kv`` from ``kv``)."""
+    return group.removeprefix(HOST)
 
 
 @dataclass
@@ -119,18 +134,20 @@ class TransferEngine:
     def link(
         self, metadata: bytes, remote: Memory, geometries: dict[str, Geometry] | None = None
     ) -> PeerLink:
-        """Add the peer and prepare every group both sides have; whole items by default."""
+        """Add the peer and prepare every group both sides have (a peer's host groups
+        against the local group they are written from); whole items by default."""
         name = self.agent.add_peer(metadata)
         link = PeerLink(name)
         local_groups, remote_groups = self.memory.groups(), remote.groups()
         try:
-            for group, local in local_groups.items():
-                theirs = remote_groups.get(group)
-                if theirs is None:
+            for group, theirs in remote_groups.items():
+                mine = local_group(group)
+                local = local_groups.get(mine)
+                if local is None:
                     continue
                 n = min(len(local), len(theirs))
                 local, theirs = _first(local, n), _first(theirs, n)
-                geo = (geometries or {}).get(group, Geometry.whole_items())
+                geo = (geometries or {}).get(mine, Geometry.whole_items())
                 if geo.is_whole_items and local.item_lens != theirs.item_lens:
                     raise TransferError(
                         f"{group} item sizes differ: local {local.item_lens[:4]}..., "
@@ -148,9 +165,9 @@ class TransferEngine:
                 )
                 link.groups[group] = GroupLink(
                     geometry=geo,
-                    local=self._local_side(group, geo)
-                    if n == len(local_groups[group])
-                    else self._prep_local_prefix(group, local, geo),
+                    local=self._local_side(mine, geo)
+                    if n == len(local_groups[mine])
+                    else self._prep_local_prefix(mine, local, geo),
                     remote=remote_side,
                     unit_bytes=unit,
                     num_regions=n,

@@ -60,6 +60,17 @@ class DecodeRoom:
     recalled: bool = False  # a SlotRecall for it is out and not yet answered
     units: dict[tuple[int, int, int], Any] = field(default_factory=dict)
     times: dict[str, float] = field(default_factory=dict)  # step -> perf_counter (timeline)
+    # a host-pool destination: SGLang holds its pages after a failure until every prefill
+    # rank the room was sent to acked the abort, or was lost a quarantine ago
+    host: bool = False
+    sent_to: set[Endpoint] = field(default_factory=set)
+    aborted_at: float | None = None  # when its abort went to its prefill ranks
+    acked: set[Endpoint] = field(default_factory=set)
+    lost_at: dict[Endpoint, float] = field(default_factory=dict)
+
+    def undrained(self) -> set[Endpoint]:
+        """Prefill ranks that may still write into this room's pages."""
+        return self.sent_to - self.acked
 
     def timeline(self, ended: float) -> dict[str, float]:
         """Milliseconds: request sent to the first staged piece, to the last prefill status,
@@ -106,9 +117,11 @@ class DecodeRooms:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.slots = SlotTable(num_slots, clock)
+        self._clock = clock
         self.quarantine_s = quarantine_s
         self.counters = SlotCounters()
         self._rooms: dict[int, DecodeRoom] = {}
+        self._draining: dict[int, DecodeRoom] = {}  # cleared host rooms not yet drained
         self._waiting: deque[tuple[int, Endpoint]] = deque()  # senders without a slot
         self._next_order = 0
         self.lock = threading.RLock()
@@ -147,6 +160,10 @@ class DecodeRooms:
             if rec is None:
                 return []
             rec.phase = DecodePhase.CLOSED
+            if rec.host and not ok and not self._drained(rec):
+                # SGLang clears a failed receiver before it asks whether its host pages
+                # may be reused: the drain state outlives the record until they may
+                self._draining[room] = rec
             self.slots.release_room(room, failed=not ok, hold_s=self.quarantine_s)
             if any(r == room for r, _ in self._waiting):
                 self._waiting = deque(w for w in self._waiting if w[0] != room)
@@ -164,7 +181,11 @@ class DecodeRooms:
         """The prefill rank the request being built goes to."""
         with self.lock:
             rec = self._rooms.get(room)
-            return rec.targets.popleft() if rec is not None and rec.targets else None
+            if rec is None or not rec.targets:
+                return None
+            target = rec.targets.popleft()
+            rec.sent_to.add(target)
+            return target
 
     def end_requests(self, room: int) -> None:
         with self.lock:
@@ -190,6 +211,73 @@ class DecodeRooms:
             if rooms_pending(rec.room):
                 out |= rec.endpoints
         return out
+
+    # -- host-pool destinations ---------------------------------------------------------
+    def set_host(self, room: int) -> None:
+        """``room``'s pages are in the decode's host pool (set before its requests go out)."""
+        with self.lock:
+            rec = self._rooms.get(room)
+            if rec is not None:
+                rec.host = True
+
+    def is_host(self, room: int) -> bool:
+        rec = self._rooms.get(room)
+        return rec is not None and rec.host
+
+    def aborted(self, room: int) -> None:
+        """An abort of ``room`` went to its prefill ranks (their ACKs are due)."""
+        with self.lock:
+            rec = self._rooms.get(room)
+            if rec is not None and rec.aborted_at is None:
+                rec.aborted_at = self._clock()
+
+    def abort_acked(self, room: int, endpoint: Endpoint) -> None:
+        with self.lock:
+            for rec in self._host_records(room):
+                rec.acked.add(endpoint)
+
+    def peer_lost(self, endpoint: Endpoint) -> None:
+        """``endpoint`` stopped answering: its host rooms' pages are safe a quarantine on."""
+        with self.lock:
+            now = self._clock()
+            for rec in [*self._rooms.values(), *self._draining.values()]:
+                if rec.host and endpoint in rec.sent_to:
+                    rec.lost_at.setdefault(endpoint, now)
+
+    def release_safe(self, room: int) -> bool:
+        """Nothing more can land in ``room``'s host pages: every prefill rank it was sent
+        to acked the abort, or was lost at least ``quarantine_s`` ago (a WRITE posted before
+        the loss may still be in the network). A room without a record is safe; a cleared
+        one is forgotten once it is."""
+        with self.lock:
+            safe = all(self._drained(rec) for rec in self._host_records(room))
+            if safe:
+                self._draining.pop(room, None)
+            return safe
+
+    def _host_records(self, room: int) -> list[DecodeRoom]:
+        return [r for r in (self._rooms.get(room), self._draining.get(room)) if r is not None]
+
+    def _drained(self, rec: DecodeRoom) -> bool:
+        now = self._clock()
+        return all(
+            ep in rec.lost_at and now - rec.lost_at[ep] >= self.quarantine_s
+            for ep in rec.undrained()
+        )
+
+    def drain_endpoints(self) -> set[Endpoint]:
+        """Prefill ranks whose abort ACK an aborted host room still waits for (watched for
+        loss, so that a dead one cannot hold the host pages for good). Cleared rooms that
+        drained meanwhile are forgotten here."""
+        with self.lock:
+            for room in [r for r, rec in self._draining.items() if self._drained(rec)]:
+                del self._draining[room]
+            return {
+                ep
+                for rec in [*self._rooms.values(), *self._draining.values()]
+                if rec.host and rec.aborted_at is not None
+                for ep in rec.undrained() - set(rec.lost_at)
+            }
 
     # -- staging slots ----------------------------------------------------------------
     def grant(
@@ -350,6 +438,7 @@ class DecodeRooms:
             held = len(self.slots) - self.slots.count(SlotState.FREE)
             return {
                 "rooms": len(self._rooms),
+                "host_draining": len(self._draining),
                 "waiting": len(self._waiting),
                 "slots_held": held - self.slots.count(SlotState.QUARANTINED),
                 "slots_busy": self.slots.count(SlotState.BUSY),

@@ -46,6 +46,12 @@ class TransferInfo:
     state: list[np.ndarray]
     required_dst_info_num: int
     is_dummy: bool
+    host: bool = False  # the pages are in the decode's host pool
+
+    @property
+    def groups(self) -> str:
+        """Prefix of the link groups this destination is written into ('' or 'host_')."""
+        return "host_" if self.host else ""
 
 
 @dataclass(eq=False)

@@ -12,7 +12,7 @@ from typing import Annotated
 import msgspec
 
 #: Bumped on any incompatible change to these structs or to the framing in ``codec``.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # Upper bounds that keep a hostile peer from making us allocate or loop without limit.
 MAX_REGIONS = 16384
@@ -82,6 +82,10 @@ class PeerRegistration(msgspec.Struct, frozen=True, tag="reg"):
     aux: Annotated[list[Region], msgspec.Meta(max_length=MAX_REGIONS)]
     state: Annotated[list[list[Region]], msgspec.Meta(max_length=MAX_REGIONS)] = []
     staging: StagingArea | None = None
+    # the decode's host pool (SGLang's host-receive destination; DRAM, same items as kv and
+    # state): empty when the decode receives into device pages only
+    host_kv: Annotated[list[Region], msgspec.Meta(max_length=MAX_REGIONS)] = []
+    host_state: Annotated[list[list[Region]], msgspec.Meta(max_length=MAX_REGIONS)] = []
 
 
 class RegistrationReply(msgspec.Struct, frozen=True, tag="reg_reply"):
@@ -129,6 +133,8 @@ class TransferRequest(msgspec.Struct, frozen=True, tag="xfer"):
     # with SlotAsk when its first chunk is ready, and gets SlotGrants)
     staged: bool = False
     staging_slots: Annotated[list[NonNeg], msgspec.Meta(max_length=64)] = []
+    # the pages are in the decode's host pool (``host_kv``/``host_state`` regions)
+    host: bool = False
 
 
 class TransferStatus(msgspec.Struct, frozen=True, tag="status"):
@@ -164,6 +170,10 @@ class AbortAck(msgspec.Struct, frozen=True, tag="abort_ack"):
     room: Room
     prefill_rank: NonNeg
     generation: int | None = None
+    # the acking rank's control address: a decode releases a host destination only once
+    # every rank it sent the room to has acked (or was lost)
+    ip: Name = ""
+    port: Port = 0
 
 
 class PieceReady(msgspec.Struct, frozen=True, tag="piece"):

@@ -17,6 +17,8 @@ import pytest
 from helpers.faults import (
     FaultCluster,
     RankProc,
+    first_chunk_pages,
+    hold_mid_transfer,
     make_requests,
     netns_pair,
     netns_unavailable,
@@ -45,9 +47,7 @@ DECODE_DEATH_S = 5.0
 
 
 def _first_chunk(r: Request) -> int:
-    """Pages of the first of two chunks (``np.array_split``)."""
-    n = r.pages(PAGE)
-    return -(-n // 2)
+    return first_chunk_pages(r, PAGE)
 
 
 def _rooms(reqs: list[Request]) -> set[int]:
@@ -82,19 +82,7 @@ def _run_ok(
 def _hold(
     prefill: RankProc, decode: RankProc, reqs: list[Request], addr: str, timeout: float = 30
 ) -> None:
-    """Start ``reqs`` with the prefill holding each last chunk; return once every room's
-    first chunk has landed on the decode (the rooms are then mid-transfer)."""
-    prefill.call("expect", reqs=reqs, plans={r.room: "hold" for r in reqs})
-    assert decode.call("submit", reqs=reqs, addr=addr) == {}
-    want = {r.room: _first_chunk(r) for r in reqs}
-    poll_until(
-        lambda: decode.call("landed", rooms=list(want)),
-        lambda got: all(got.get(room, 0) >= n for room, n in want.items()),
-        timeout,
-    )
-    held = set(prefill.call("held"))
-    assert held >= set(want), f"prefill no longer holds {set(want) - held}"
-    assert not decode.done(set(want)), "a held room finished early"
+    hold_mid_transfer(prefill, decode, reqs, addr, PAGE, timeout)
 
 
 def _stays_held(prefill: RankProc, decode: RankProc, rooms: set[int], seconds: float) -> None:

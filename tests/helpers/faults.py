@@ -332,9 +332,16 @@ class FaultCluster:
 
 
 def make_requests(
-    n: int, seed: int, *, tokens: tuple[int, int], chunks: int = 1, contiguous: bool = False
+    n: int,
+    seed: int,
+    *,
+    tokens: tuple[int, int],
+    chunks: int = 1,
+    contiguous: bool = False,
+    host: bool = False,
 ) -> list[Request]:
-    """``n`` requests with fresh random rooms (``chunks`` > 1 lets a prefill hold the last)."""
+    """``n`` requests with fresh random rooms (``chunks`` > 1 lets a prefill hold the last;
+    ``host``: into the decode's host pool, without state, as SGLang's host receive)."""
     rng = np.random.default_rng(seed)
     return [
         Request(
@@ -342,10 +349,35 @@ def make_requests(
             int(rng.integers(tokens[0], tokens[1] + 1)),
             chunks,
             contiguous,
-            True,
+            not host,
+            host=host,
         )
         for _ in range(n)
     ]
+
+
+def first_chunk_pages(r: Request, page_size: int) -> int:
+    """Pages of the first of a request's two chunks (``np.array_split``)."""
+    return -(-r.pages(page_size) // 2)
+
+
+def hold_mid_transfer(
+    prefill: RankProc, decode: RankProc, reqs: list[Request], addr: str, page_size: int,
+    timeout: float = 30,
+) -> None:  # fmt: skip
+    """Start ``reqs`` (two chunks each) with the prefill holding each last chunk; return once
+    every room's first chunk has landed on the decode (the rooms are then mid-transfer)."""
+    prefill.call("expect", reqs=reqs, plans={r.room: "hold" for r in reqs})
+    assert decode.call("submit", reqs=reqs, addr=addr) == {}
+    want = {r.room: first_chunk_pages(r, page_size) for r in reqs}
+    poll_until(
+        lambda: decode.call("landed", rooms=list(want)),
+        lambda got: all(got.get(room, 0) >= n for room, n in want.items()),
+        timeout,
+    )
+    held = set(prefill.call("held"))
+    assert held >= set(want), f"prefill no longer holds {set(want) - held}"
+    assert not decode.done(set(want)), "a held room finished early"
 
 
 # ======================================================================================
@@ -482,6 +514,7 @@ class _DRoom:
     polls: int = 0
     arm_from: int = -1  # abort once a page from this index on shows bytes (``arm_abort``)
     landing_at_abort: int = -1
+    failed_at: float | None = None  # a host room: failed, its pages held until safe
 
 
 class _Rank:
@@ -741,6 +774,8 @@ class _DecodeRank(_Rank):
         self.page_pool = PagePool(
             self.pools.pages, seed=spec.workload.seed + 31 * spec.instance + 2
         )
+        # the host pool's allocator: SGLang's hands out page 0 too
+        self.host_pool = PagePool(self.pools.pages, seed=spec.workload.seed + 5, padding_page=False)
         self.slots = list(range(1, self.pools.aux_rows))
         self.active: dict[int, _DRoom] = {}
         # ``opts["quarantine_failed_s"]``: a failed room's pages and slot are reused only
@@ -787,13 +822,14 @@ class _DecodeRank(_Rank):
         mgr, pools = self.mgr, self.pools
         if not mgr.try_ensure_parallel_info(addr):
             return f"no parallel info from {addr}"
-        pages = self.page_pool.alloc(r.pages(self.spec.workload.page_size), r.contiguous)
+        pool = self.host_pool if r.host else self.page_pool
+        pages = pool.alloc(r.pages(self.spec.workload.page_size), r.contiguous)
         if pages is None:
             return "decode page pool exhausted"
         slot = self.slots.pop()
         if zero:
             for k in range(len(pools.kv_ptrs)):
-                pools.region_words(k)[pages] = 0
+                pools.region_words(k, r.host)[pages] = 0
         for buf, n in zip(pools.aux, AUX_ITEM_BYTES, strict=False):
             buf[slot * n : (slot + 1) * n] = 0
         if r.with_state:
@@ -804,6 +840,10 @@ class _DecodeRank(_Rank):
         sent = pages[:-1] if short else pages
         if not metadata:
             sent = pages[:0]
+        elif r.host:
+            from sglang.srt.disaggregation.base.conn import KVTransferDestination
+
+            receiver.send_metadata(sent, slot, None, destination=KVTransferDestination.HOST)
         else:
             receiver.send_metadata(sent, slot, state)
         self.active[r.room] = _DRoom(r, receiver, pages, slot, len(sent), time.time())
@@ -846,7 +886,7 @@ class _DecodeRank(_Rank):
         any_ = np.zeros(len(pages), dtype=bool)
         all_ = np.ones(len(pages), dtype=bool)
         for r in range(len(self.pools.kv_ptrs)):
-            hit = self.pools.region_words(r)[pages, :, 0, 0].any(axis=1)
+            hit = self.pools.region_words(r, ctx.req.host)[pages, :, 0, 0].any(axis=1)
             any_ |= hit
             all_ &= hit
         return int(any_.sum()), int(all_.sum())
@@ -854,7 +894,11 @@ class _DecodeRank(_Rank):
     def do_landed(self, rooms: list[int]) -> dict[int, int]:
         """How many pages of each active room already hold the expected bytes."""
         return {
-            room: int(page_matches(self.pools, room, self.active[room].pages).sum())
+            room: int(
+                page_matches(
+                    self.pools, room, self.active[room].pages, self.active[room].req.host
+                ).sum()
+            )
             for room in rooms
             if room in self.active
         }
@@ -897,7 +941,7 @@ class _DecodeRank(_Rank):
     # -- the scheduler loop ----------------------------------------------------------------
     def _snap(self, ctx: _DRoom) -> list[np.ndarray]:
         p = self.pools
-        out = [p.region_words(k)[ctx.pages].copy() for k in range(len(p.kv_ptrs))]
+        out = [p.region_words(k, ctx.req.host)[ctx.pages].copy() for k in range(len(p.kv_ptrs))]
         out += [
             buf[ctx.slot * n : (ctx.slot + 1) * n].copy()
             for buf, n in zip(p.aux, AUX_ITEM_BYTES, strict=False)
@@ -915,20 +959,39 @@ class _DecodeRank(_Rank):
                 ctx.receiver.failure_exception()  # clear() and pop the failure record
             except Exception:
                 pass
-        self.page_pool.release(ctx.pages)
+        (self.host_pool if ctx.req.host else self.page_pool).release(ctx.pages)
         self.slots.append(ctx.slot)
         del self.active[room]
+
+    def _release_safe(self, ctx: _DRoom) -> bool:
+        """SGLang's drain check of an aborted room: the receiver's for a host destination,
+        else the manager's count of abort ACKs."""
+        if ctx.req.host:
+            return bool(ctx.receiver.is_abort_release_safe())
+        return bool(self.mgr.is_abort_release_safe(ctx.req.room, ctx.required_acks))
 
     def step(self) -> bool:
         KVPoll = self.KVPoll
         pools = self.pools
         for room, ctx in list(self.active.items()):
+            if ctx.failed_at is not None:
+                # SGLang's DecodeTransferQueue.resolve_deferred_releases for a host room:
+                # no timeout, only the receiver's word frees the pages
+                if ctx.receiver.is_abort_release_safe():
+                    ctx.receiver.clear()
+                    self.host_pool.release(ctx.pages)
+                    self.slots.append(ctx.slot)
+                    del self.active[room]
+                    self.emit("host_released", room=room, held_s=time.time() - ctx.failed_at)
+                continue
             if ctx.aborted:
-                if ctx.acked_at is None and self.mgr.is_abort_release_safe(room, ctx.required_acks):
+                if ctx.acked_at is None and self._release_safe(ctx):
                     ctx.acked_at = time.time()
                     if ctx.keep:
                         ctx.snapshot = self._snap(ctx)
-                        ctx.snapshot_landed = int(page_matches(pools, room, ctx.pages).sum())
+                        ctx.snapshot_landed = int(
+                            page_matches(pools, room, ctx.pages, ctx.req.host).sum()
+                        )
                     self.emit("acked", room=room)
                     if not ctx.keep:
                         self._release(room, ctx)
@@ -947,10 +1010,16 @@ class _DecodeRank(_Rank):
                 continue
             res: dict[str, Any] = {"ok": status == KVPoll.Success, "reason": None, "t0": ctx.t0}
             if status == KVPoll.Failed:
+                if ctx.req.host:
+                    ctx.receiver.abort()  # SGLang's _abort_failed_transfer for a host room
                 try:
                     ctx.receiver.failure_exception()
                 except Exception as exc:
                     res["reason"] = str(exc)
+                if ctx.req.host:
+                    ctx.failed_at = time.time()
+                    self.emit("done", room=room, **res)
+                    continue
             else:
                 ctx.receiver.clear()
                 res.update(verify_room(pools, ctx))
@@ -958,7 +1027,7 @@ class _DecodeRank(_Rank):
             if status == KVPoll.Failed and hold_s > 0:
                 self.quarantine.append((time.monotonic() + hold_s, ctx.pages, ctx.slot))
             else:
-                self.page_pool.release(ctx.pages)
+                (self.host_pool if ctx.req.host else self.page_pool).release(ctx.pages)
                 self.slots.append(ctx.slot)
             del self.active[room]
             self.emit("done", room=room, **res)
@@ -983,20 +1052,21 @@ def _keys(d: dict) -> list[Any]:
     return []
 
 
-def page_matches(pools: Pools, room: int, pages: np.ndarray) -> np.ndarray:
-    """Per page of a request: True where every region holds the prefill's pattern."""
+def page_matches(pools: Pools, room: int, pages: np.ndarray, host: bool = False) -> np.ndarray:
+    """Per page of a request (in the host pool: ``host``): True where every region holds
+    the prefill's pattern."""
     n = np.arange(len(pages))
     ok = np.ones(len(pages), dtype=bool)
     for r in range(len(pools.kv_ptrs)):
         pat = pattern(room, r, n, pools.page_size, pools.global_heads, pools.head_words)
-        got = pools.region_words(r)[pages]
+        got = pools.region_words(r, host)[pages]
         ok &= (got == pat).reshape(len(pages), -1).all(axis=1)
     return ok
 
 
 def verify_room(pools: Pools, ctx: _DRoom) -> dict[str, int]:
     room, slot = ctx.req.room, ctx.slot
-    out = {"bad_pages": int((~page_matches(pools, room, ctx.pages)).sum())}
+    out = {"bad_pages": int((~page_matches(pools, room, ctx.pages, ctx.req.host)).sum())}
     out["bad_aux"] = sum(
         int(not np.array_equal(buf[slot * n : (slot + 1) * n], aux_pattern(room, b, n)))
         for b, (buf, n) in enumerate(zip(pools.aux, AUX_ITEM_BYTES, strict=False))

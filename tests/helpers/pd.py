@@ -57,6 +57,7 @@ def workload(
     send_delays_ms: tuple[float, ...] = (0.0,),
     fragmentation: str = "mixed",
     state: bool = True,
+    host_every: int = 0,
 ) -> Workload:
     """A small workload. The default ``chunks`` cycles with period 4 while ``mixed``
     alternates with period 2, so every (chunks, contiguous) combination occurs."""
@@ -72,6 +73,7 @@ def workload(
         send_delays_ms=send_delays_ms,
         fragmentation=fragmentation,
         state=state,
+        host_every=host_every,
     )
 
 
@@ -130,6 +132,11 @@ def session_problems(res: SessionResult, *, check_tables: bool = True) -> list[s
         for (inst, rank), r in sorted(ranks_.items()):
             if r.get("timed_out"):
                 problems.append(f"{role}{inst}.{rank}: {len(r['timed_out'])} rooms not finished")
+            if r.get("host_pages_held"):
+                problems.append(
+                    f"{role}{inst}.{rank}: host pages of failed rooms never released: "
+                    f"{r['host_pages_held']}"
+                )
 
     # Prefill: each rank of instance i sends rooms i, i + n_prefill, ...
     for (inst, rank), r in sorted(res.prefill.items()):
@@ -155,6 +162,8 @@ def session_problems(res: SessionResult, *, check_tables: bool = True) -> list[s
         if not d["ok"]:
             problems.append(f"room {q.room}: failed on decode: {d.get('reason')!r}")
             continue
+        if bool(d.get("host")) != q.host:
+            problems.append(f"room {q.room}: host={d.get('host')!r}, asked for {q.host}")
         for k in ("bad_pages", "bad_aux") + (("bad_state",) if q.with_state else ()):
             if k not in d:
                 problems.append(f"room {q.room}: decode did not verify ({k} missing)")

@@ -49,7 +49,14 @@ INTREE_DRAM_MARKER = "realserver-shim: in-tree nixl KV regions relabelled DRAM"
 KV_DAMAGE_PLUGIN = "realserver_kv_damage"
 KV_DAMAGE_MARKER = "realserver-shim: damaged received KV"
 #: Test-only SGLang plugins by entry-point name, and the folder holding each one's dist-info.
-SHIM_PLUGINS = {INTREE_DRAM_PLUGIN: SHIMS / "intree_dram", KV_DAMAGE_PLUGIN: SHIMS / "kv_damage"}
+#: SGLang's decode host pool on a CPU host (shims/host_pool_cpu), for host-receive runs.
+HOST_POOL_PLUGIN = "realserver_host_pool_cpu"
+HOST_POOL_MARKER = "realserver-shim: host pool KV loaded to device"
+SHIM_PLUGINS = {
+    INTREE_DRAM_PLUGIN: SHIMS / "intree_dram",
+    KV_DAMAGE_PLUGIN: SHIMS / "kv_damage",
+    HOST_POOL_PLUGIN: SHIMS / "host_pool_cpu",
+}
 
 SERVER_READY_S = 240 * TIMEOUT_SCALE
 ROUTER_READY_S = 60 * TIMEOUT_SCALE
@@ -217,10 +224,18 @@ class Launcher:
         page: int,
         decode_plugins: Sequence[str] = (),
         extra: Sequence[str] = (),
+        host_receive: bool = False,
     ) -> PDStack:
         """Prefill + decode (started together) and the router; ``decode_plugins``: extra
         test-only SGLang plugins for the decode server (the negative control); ``extra``:
-        more server arguments for both."""
+        more server arguments for both; ``host_receive``: the decode receives every request
+        into its host pool (threshold 0: SGLang's ``host_pool`` backup, on a CPU host with
+        the ``host_pool_cpu`` shim) instead of its device pool."""
+        if host_receive:
+            decode_plugins = [*decode_plugins, HOST_POOL_PLUGIN]
+            decode_args = ["--disaggregation-decode-host-receive-threshold", "0"]
+        else:
+            decode_args = ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
         tag = f"{backend}-tp{tp}-p{page}" + "".join(f"-{p}" for p in decode_plugins)
         started = time.monotonic()
         bootstrap, decode_bootstrap = free_ports(2)
@@ -235,7 +250,7 @@ class Launcher:
             ["--disaggregation-mode", "decode",
              "--disaggregation-transfer-backend", "nixl",
              "--disaggregation-bootstrap-port", str(decode_bootstrap),
-             "--disaggregation-decode-retraction-backup", "cpu_tensor", *extra],
+             *decode_args, *extra],
             plugins=decode_plugins,
         )  # fmt: skip
         (router_port,) = free_ports(1)

@@ -43,6 +43,7 @@ from sgl_nixl_plugin import __version__, compat
 from .procs import ProcessGroup
 from .stack import (
     CHUNKED_PREFILL,
+    HOST_POOL_MARKER,
     INTREE_DRAM_MARKER,
     INTREE_DRAM_PLUGIN,
     KV_DAMAGE_MARKER,
@@ -81,10 +82,12 @@ class Config:
     tp: int = 1
     batches: tuple[str, ...] = ("sequential", "concurrent")
     metrics: bool = False  # both servers with --enable-metrics; the prefill's series checked
+    host: bool = False  # the decode receives every request into its host pool
 
     @property
     def id(self) -> str:
-        return f"{self.backend}-p{self.page}" + (f"-tp{self.tp}" if self.tp > 1 else "")
+        tp = f"-tp{self.tp}" if self.tp > 1 else ""
+        return f"{self.backend}-p{self.page}{tp}" + ("-host" if self.host else "")
 
 
 #: Page sizes a real server can run on a CPU. SGLang 0.5.21 allocates pages of more than one
@@ -95,11 +98,18 @@ CPU_PAGE_SIZES = (
 )
 
 
+#: SGLang 0.5.21's host pools allocate and copy through CUDA only (the host_pool_cpu shim
+#: stands in for 0.5.22's and later layouts): its stage runs no host-receive config.
+HOST_RECEIVE_ON_CPU = CPU_PAGE_SIZES != (1,)
+
+
 def _runnable(configs: tuple[Config, ...]) -> tuple[Config, ...]:
     """The configurations at page sizes this SGLang runs on a CPU (others at page size 1;
     one configuration per id, with metrics if any of the ones it stands for had them)."""
     out: dict[str, Config] = {}
     for c in configs:
+        if c.host and not HOST_RECEIVE_ON_CPU:
+            continue
         if c.page not in CPU_PAGE_SIZES:
             c = replace(c, page=1)
         prev = out.get(c.id)
@@ -114,6 +124,7 @@ CONFIGS = _runnable(
         Config("in-tree", 1),
         Config("in-tree", 16),
         Config("plugin", 16, tp=2),
+        Config("plugin", 16, host=True),
         # The in-tree backend is several times slower here (its 8 prefill transfer threads and
         # UCX progress share 2 cores with 4 TP ranks), so its TP 2 control sends only the
         # concurrent batch: every prompt still, the sequential ones included.
@@ -256,6 +267,20 @@ def _series(url: str) -> dict[str, float]:
     return out
 
 
+def _host_receive_problems(stack: PDStack, sent: int) -> list[str]:
+    """Every request went through the decode's host pool: our manager registered it, and
+    SGLang loaded each received request from it into the device pool (the shim's marker,
+    once per request) before decoding."""
+    log = stack.decode.proc.log_text()
+    problems = []
+    if _count(log, "sgl-nixl: decode manager ready") != _count(log, "with a host pool of"):
+        problems.append("decode log: a manager came up without a host pool")
+    loaded = _count(log, HOST_POOL_MARKER)
+    if loaded < sent:
+        problems.append(f"decode log: {loaded} host pool loads for {sent} requests sent")
+    return problems
+
+
 def _metrics_problems(stack: PDStack, sent: int) -> list[str]:
     """SGLang runs its metrics in multiprocess mode: our series, counted in the scheduler
     process, must reach the server's /metrics and count every request sent, each once."""
@@ -311,13 +336,17 @@ def test_pd_output_ids_match_reference(
     expected = reference_outputs(cfg.tp)
     with logs_on_failure(group):
         extra = ["--enable-metrics"] if cfg.metrics else []
-        stack = launcher.pd(cfg.backend, cfg.tp, cfg.page, extra=extra)
+        stack = launcher.pd(cfg.backend, cfg.tp, cfg.page, extra=extra, host_receive=cfg.host)
         try:
             record_property("pd_startup_s", round(stack.startup_s, 1))
             problems, timings = _run_batches(stack, expected, cfg.batches)
             for key, value in timings.items():
                 record_property(key, value)
             problems += _log_problems(stack)
+            if cfg.host:
+                problems += _host_receive_problems(
+                    stack, sum(len(BATCHES[b][1]) for b in cfg.batches)
+                )
             if cfg.metrics:
                 sent = sum(len(BATCHES[b][1]) for b in cfg.batches)
                 problems += _metrics_problems(stack, sent)

@@ -10,7 +10,13 @@ P5, P6, P9 = ("127.0.0.1", 5), ("127.0.0.1", 6), ("127.0.0.1", 9)
 
 
 def _drained(rooms: DecodeRooms) -> None:
-    assert rooms.sizes() == {"rooms": 0, "waiting": 0, "slots_held": 0, "slots_busy": 0}
+    assert rooms.sizes() == {
+        "rooms": 0,
+        "host_draining": 0,
+        "waiting": 0,
+        "slots_held": 0,
+        "slots_busy": 0,
+    }
 
 
 def test_a_room_record_lives_from_init_to_clear():
@@ -184,4 +190,81 @@ def test_a_room_timeline_orders_its_steps_and_keeps_the_first_piece():
     assert t["status_to_applied_ms"] >= 0
     rooms.mark(99, "status")  # an unknown room: nothing to mark, nothing raised
     rooms.close(7, ok=True)
+    _drained(rooms)
+
+
+def _host_room(rooms: DecodeRooms, room: int, prefills: list[tuple[str, int]]) -> None:
+    """A room whose transfer requests went to ``prefills``, into the host pool."""
+    rooms.open(room, set(prefills))
+    rooms.start_requests(room, prefills)
+    rooms.set_host(room)
+    for _ in prefills:
+        rooms.next_target(room)
+    rooms.end_requests(room)
+
+
+def test_host_pages_are_safe_only_once_every_prefill_rank_acked_the_abort():
+    """SGLang holds a failed host room's pages until the receiver says nothing more can
+    land (no timeout of its own): each rank the room was sent to must ack, and the drain
+    state outlives SGLang's clear(), which it calls before it asks."""
+    now = [0.0]
+    rooms = DecodeRooms(0, quarantine_s=5.0, clock=lambda: now[0])
+    _host_room(rooms, 7, [P5, P6])
+    assert rooms.is_host(7) and not rooms.is_host(8)
+    assert not rooms.release_safe(7)
+    assert rooms.drain_endpoints() == set()  # not aborted: liveness follows its data
+    rooms.aborted(7)
+    assert rooms.drain_endpoints() == {P5, P6}
+    rooms.abort_acked(7, P5)
+    assert not rooms.release_safe(7) and rooms.drain_endpoints() == {P6}
+    rooms.close(7, ok=False)  # SGLang's failure_exception() clears the receiver first
+    assert rooms.sizes()["host_draining"] == 1 and 7 not in rooms
+    now[0] = 1e6  # no timeout releases them while the rank is alive
+    assert not rooms.release_safe(7)
+    rooms.abort_acked(7, P6)  # an ACK after the clear still counts
+    assert rooms.release_safe(7)
+    _drained(rooms)
+    assert rooms.release_safe(7)  # a forgotten room stays safe
+
+
+def test_a_lost_prefill_frees_host_pages_a_quarantine_after_its_loss():
+    now = [0.0]
+    rooms = DecodeRooms(0, quarantine_s=5.0, clock=lambda: now[0])
+    _host_room(rooms, 7, [P5, P6])
+    _host_room(rooms, 8, [P5])
+    rooms.aborted(7)
+    rooms.abort_acked(7, P6)
+    now[0] = 10.0
+    rooms.peer_lost(P5)
+    assert rooms.drain_endpoints() == set()  # nothing left to watch: P5 is gone
+    rooms.close(7, ok=False)
+    now[0] = 14.9  # a WRITE posted before the loss may still land
+    assert not rooms.release_safe(7) and not rooms.release_safe(8)
+    now[0] = 15.0
+    assert rooms.release_safe(7) and rooms.release_safe(8)
+    # a cleared room nobody asks about again is dropped at the next liveness check
+    rooms.close(8, ok=False)
+    _drained(rooms)
+
+
+def test_device_rooms_and_successful_host_rooms_leave_no_drain_state():
+    rooms = DecodeRooms(0)
+    rooms.open(5, {P5})
+    rooms.start_requests(5, [P5])
+    rooms.next_target(5)
+    rooms.aborted(5)
+    rooms.close(5, ok=False)  # device pages: SGLang's own ACK count and timeout hold them
+    _host_room(rooms, 6, [P5])
+    rooms.close(6, ok=True)
+    _host_room(rooms, 9, [P9])  # sent, failed and acked before the clear
+    rooms.aborted(9)
+    rooms.abort_acked(9, P9)
+    rooms.close(9, ok=False)
+    _drained(rooms)
+    # a host room whose requests never went out has nothing to wait for
+    rooms.open(4, {P5})
+    rooms.set_host(4)
+    rooms.aborted(4)
+    assert rooms.release_safe(4)
+    rooms.close(4, ok=False)
     _drained(rooms)

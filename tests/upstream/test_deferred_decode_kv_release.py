@@ -400,7 +400,13 @@ def test_drain_ack_follows_room_status_and_outstanding_writes(cluster, rooms, fa
     else:
         acks = early
     assert acks == [
-        AbortAck(room=room, prefill_rank=mgr._prefill_unique_rank(), generation=GENERATION)
+        AbortAck(
+            room=room,
+            prefill_rank=mgr._prefill_unique_rank(),
+            generation=GENERATION,
+            ip=mgr.local_ip,
+            port=int(mgr.rank_port),
+        )
     ]
     assert room not in mgr._deferred_ack_targets
     assert decode.round_trip(mgr.rank_port) == []  # exactly one ack

@@ -148,7 +148,12 @@ def test_missing_bootstrap_infos_fail_the_room_without_publishing(cluster, rooms
     receiver.clear()
 
 
-def test_host_destination_is_refused_and_device_is_the_default(cluster, rooms, fake_rank):
+def test_host_destination_without_a_host_pool_is_refused_and_device_is_the_default(
+    cluster, rooms, fake_rank
+):
+    """Upstream's receiver refuses HOST outright; ours serves it when SGLang gave the
+    decode a host pool (tests/e2e/test_host_destination.py) and refuses it, publishing
+    nothing, when it did not (SGLang then never asks: supports_host_destination is False)."""
     from sglang.srt.disaggregation.base.conn import KVTransferDestination
 
     from sgl_nixl_plugin.wire.messages import TransferRequest
@@ -157,7 +162,7 @@ def test_host_destination_is_refused_and_device_is_the_default(cluster, rooms, f
     host, device = rooms(), rooms()
     receiver = _on_fake_prefills(cluster, host, [prefill])
     assert receiver.supports_host_destination is False
-    with pytest.raises(NotImplementedError, match="(?i)host KV"):
+    with pytest.raises(ValueError, match="registered no host pool"):
         receiver.send_metadata(PAGES, 1, destination=KVTransferDestination.HOST)
     assert receiver.init_time is None
     assert prefill.round_trip(cluster.decode.rank_port) == []  # nothing was published

@@ -53,7 +53,7 @@ class NixlPluginKVManager(manager.NixlPluginKVManager, ManagerTemplate):
         super().__init__(*args, **kwargs)
 
     def _send_abort_ack(self, decode_ip: str, decode_port: int, room: int) -> None:  # type: ignore[override]
-        ack = AbortAck(room, self.prefill_rank_id, GENERATION)
+        ack = AbortAck(room, self.prefill_rank_id, GENERATION, self.local_ip, int(self.rank_port))
         self.transport.send((decode_ip, int(decode_port)), ack)
 
 
