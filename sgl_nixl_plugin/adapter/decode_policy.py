@@ -107,14 +107,20 @@ class DecodePolicy:
                 return f"prefill {ep[0]}:{ep[1]} refused this decode: {refused[0]}"
         return None
 
+    def abort_generation(self, room: int, generation: int | None) -> int | None:
+        """The generation an abort of ``room`` carries: SGLang's, else, for a host room
+        (whose pages wait for every prefill rank's ACK), ours; a host room's ACKs are due
+        from now on."""
+        rooms = self.ctx.rooms
+        if not rooms.is_host(room):
+            return generation
+        rooms.aborted(room)
+        return HOST_ABORT_GENERATION if generation is None else generation
+
     def tell_prefills(self, room: int, endpoints: set[Endpoint], reason: str) -> None:
         """This decode gave ``room`` up on its own: tell its prefill ranks why."""
-        me, rooms = self.ctx.me, self.ctx.rooms
-        generation = None
-        if rooms.is_host(room):
-            rooms.aborted(room)
-            generation = HOST_ABORT_GENERATION
-        msg = Abort(room, me.ip, me.port, generation, reason)
+        me = self.ctx.me
+        msg = Abort(room, me.ip, me.port, self.abort_generation(room, None), reason)
         for ep in endpoints:
             self.ctx.send(ep, msg)
 

@@ -14,7 +14,6 @@ from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
 from sgl_nixl_plugin.adapter import bootstrap_client
-from sgl_nixl_plugin.adapter.decode_policy import HOST_ABORT_GENERATION
 from sgl_nixl_plugin.wire.messages import Abort
 
 
@@ -70,8 +69,9 @@ class NixlPluginKVReceiver(CommonKVReceiver):
             rooms.end_requests(room)
 
     def is_abort_release_safe(self) -> bool:
-        """Nothing more can land in this room's host pages (see ``DecodeRooms.release_safe``);
-        answerable until ``clear()``."""
+        """Nothing more can land in this room's host pages (``DecodeRooms.release_safe``).
+        SGLang asks after its ``failure_exception()`` cleared the receiver: the drain
+        state outlives that clear."""
         return self.kv_mgr.decode.rooms.release_safe(self.bootstrap_room)
 
     def _get_bootstrap_info_from_server(
@@ -97,14 +97,9 @@ class NixlPluginKVReceiver(CommonKVReceiver):
 
     def _send_abort_notification(self, *, force_arm: bool = False) -> None:
         mgr, room = self.kv_mgr, self.bootstrap_room
-        rooms = mgr.decode.rooms
         if mgr.enable_deferred_decode_kv_release and (force_arm or self.init_time is not None):
             self._abort_generation = mgr.decode.ctx.sglang.arm_abort(room)
-        generation = self._abort_generation
-        if rooms.is_host(room):
-            rooms.aborted(room)
-            if generation is None:
-                generation = HOST_ABORT_GENERATION  # any: the prefill acks only with one
+        generation = mgr.decode.policy.abort_generation(room, self._abort_generation)
         msg = Abort(room, mgr.local_ip, int(mgr.rank_port), generation)
         for info in self.bootstrap_infos or []:
             mgr.transport.send((info["rank_ip"], int(info["rank_port"])), msg)
