@@ -221,7 +221,8 @@ class DecodeRooms:
                 rec.host = True
 
     def is_host(self, room: int) -> bool:
-        rec = self._rooms.get(room)
+        """A host-pool room, also once SGLang cleared it while its drain is due."""
+        rec = self._rooms.get(room) or self._draining.get(room)
         return rec is not None and rec.host
 
     def aborted(self, room: int) -> None:

@@ -964,9 +964,11 @@ class _DecodeRank(_Rank):
         del self.active[room]
 
     def _release_safe(self, ctx: _DRoom) -> bool:
-        """SGLang's drain check of an aborted room: the receiver's for a host destination,
-        else the manager's count of abort ACKs."""
-        if ctx.req.host:
+        """SGLang's drain check of an aborted room: for a host destination the receiver's
+        (0.5.22+; 0.5.21 has only the manager's), else the manager's count of abort ACKs."""
+        from sglang.srt.disaggregation.base.conn import BaseKVReceiver
+
+        if ctx.req.host and hasattr(BaseKVReceiver, "is_abort_release_safe"):
             return bool(ctx.receiver.is_abort_release_safe())
         return bool(self.mgr.is_abort_release_safe(ctx.req.room, ctx.required_acks))
 
@@ -977,7 +979,7 @@ class _DecodeRank(_Rank):
             if ctx.failed_at is not None:
                 # SGLang's DecodeTransferQueue.resolve_deferred_releases for a host room:
                 # no timeout, only the receiver's word frees the pages
-                if ctx.receiver.is_abort_release_safe():
+                if self._release_safe(ctx):
                     ctx.receiver.clear()
                     self.host_pool.release(ctx.pages)
                     self.slots.append(ctx.slot)

@@ -219,6 +219,7 @@ def test_host_pages_are_safe_only_once_every_prefill_rank_acked_the_abort():
     assert not rooms.release_safe(7) and rooms.drain_endpoints() == {P6}
     rooms.close(7, ok=False)  # SGLang's failure_exception() clears the receiver first
     assert rooms.sizes()["host_draining"] == 1 and 7 not in rooms
+    assert rooms.is_host(7)  # 0.5.21 asks the manager, which must still route it here
     now[0] = 1e6  # no timeout releases them while the rank is alive
     assert not rooms.release_safe(7)
     rooms.abort_acked(7, P6)  # an ACK after the clear still counts
