@@ -390,7 +390,12 @@ class TransferWorker:
             ctx.settings.slot_wait_s,
         )
         try:
-            self._track(rec, ctx.engine.write(job.peer.link, "kv", job.src_pages, job.dst_pages))
+            self._track(
+                rec,
+                ctx.engine.write(
+                    job.peer.link, f"{job.info.groups}kv", job.src_pages, job.dst_pages
+                ),
+            )
         except (TransferError, ValueError) as exc:
             self._fail(rec, str(exc), finish=False)
 

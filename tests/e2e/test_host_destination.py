@@ -91,6 +91,25 @@ def test_staged_host_rooms_scatter_into_the_host_pool_byte_exact() -> None:
     assert len(hosted) == 6 and {paths[room] for room in hosted} == {"staging"}, paths
 
 
+@pytest.mark.timeout(180)
+def test_staged_host_chunks_that_find_no_slot_go_direct_into_the_host_pool() -> None:
+    """The decode's staging holds one room's slots and chunks wait 0 s for one: host
+    chunks that fall back to direct descriptors still land in the host pool."""
+    env = {
+        "SGLANG_NIXL_PLUGIN_TRANSFER_PATH": "staging",
+        "SGLANG_NIXL_PLUGIN_STAGING_BYTES": str(64 << 10),
+        "SGLANG_NIXL_PLUGIN_STAGING_PIECE_BYTES": str(16 << 10),
+        "SGLANG_NIXL_PLUGIN_SLOT_WAIT": "0",
+    }
+    w = workload(
+        "tiny", 16, requests=16, concurrency=8, min_tokens=64, max_tokens=160, state=False,
+        host_every=1,
+    )  # fmt: skip
+    res = run_pd(w, env=env)
+    assert_clean(res)
+    assert res.prefill[(0, 0)]["tables"]["count.staging.fell_back"] > 0  # some went direct
+
+
 def _hold(p: RankProc, d: RankProc, reqs: list[Request], addr: str) -> None:
     hold_mid_transfer(p, d, reqs, addr, PAGE)
 
