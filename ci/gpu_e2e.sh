@@ -47,6 +47,8 @@ run() {  # label, then bench args
   grep -v -i "warn" "$OUT/err_${label}.txt" | grep -i "error\|Traceback" | head -5 | tee -a "$OUT/e2e.txt"
   # SGLANG_NIXL_PLUGIN_BENCH_LOG=DEBUG: the first rooms' timelines of both sides, and the warm-up
   grep -h "sgl-nixl room\|sgl-nixl decode room\|warm-up WRITE" "$OUT/err_${label}.txt" | head -7 | cut -c1-400 | tee -a "$OUT/e2e.txt"
+  # with the bench log at DEBUG: transfer rates from the prefill's room timelines
+  python3 benchmarks/room_rates.py "$OUT/err_${label}.txt" | grep -v "no successful" | tee -a "$OUT/e2e.txt"
 }
 COMMON="--requests 24 --min-tokens 1024 --max-tokens 4096 --concurrency 8"
 run tp11_p16 $COMMON --page-size 16
@@ -64,6 +66,20 @@ HOSTW1="--requests 6 --min-tokens 4096 --max-tokens 8192 --concurrency 2 --no-st
 run dev_nostate_p1 $HOSTW1 --page-size 1
 run host_p1 $HOSTW1 --page-size 1 --host-every 1
 run host_tp21_p16 $HOSTW --page-size 16 --host-every 2 --prefill-tp 2
+# pages of different sizes on the two sides (paired token by token) against equal ones,
+# same requests; staged (the default path) and direct
+PAGESW="--requests 16 --min-tokens 4096 --max-tokens 8192 --concurrency 4 --no-state"
+run pages_eq_p16 $PAGESW --page-size 16
+run pages_16to64 $PAGESW --page-size 16 --decode-page-size 64
+run pages_eq_p64 $PAGESW --page-size 64
+run pages_64to16 $PAGESW --page-size 64 --decode-page-size 16
+run pages_1to16 $PAGESW --page-size 1 --decode-page-size 16
+run pages_16to64_tp12 $PAGESW --page-size 16 --decode-page-size 64 --decode-tp 2
+run pages_16to64_host $PAGESW --page-size 16 --decode-page-size 64 --host-every 1
+# direct descriptors cost per page run: fewer requests
+DIRECTW="--requests 4 --min-tokens 4096 --max-tokens 8192 --concurrency 2 --no-state"
+SGLANG_NIXL_PLUGIN_TRANSFER_PATH=direct run pages_eq_p16_direct $DIRECTW --page-size 16
+SGLANG_NIXL_PLUGIN_TRANSFER_PATH=direct run pages_16to64_direct $DIRECTW --page-size 16 --decode-page-size 64
 run tp11_p1 $COMMON --page-size 1
 run tp21_p16 $COMMON --page-size 16 --prefill-tp 2
 run tp12_p1 $COMMON --page-size 1 --decode-tp 2

@@ -33,7 +33,7 @@ oldest="${older[0]}"
 MATRIX_TESTS=(
     tests/unit tests/component tests/upstream
     tests/e2e/test_e2e_pd.py tests/e2e/test_failures.py tests/e2e/test_lifecycle.py
-    tests/e2e/test_host_destination.py
+    tests/e2e/test_host_destination.py tests/e2e/test_page_sizes.py
 )
 # The real-server stage's plugin configurations and its own checks (the in-tree controls
 # are SGLang's backend, measured on the newest release).

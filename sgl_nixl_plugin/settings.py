@@ -100,6 +100,9 @@ VARS: tuple[Var, ...] = (
        "prefill WRITEs the padding page and the staging spare at registration, taking "
        "wire-up off the first request",
        field="warmup"),
+    _v("WARMUP_TIMEOUT", "float", 1.0, "tuning",
+       "seconds the prefill waits for each warm-up WRITE; past it the first request pays "
+       "the wire-up", field="warmup_timeout_s", minimum=0.0),
     # test: hooks for the test suite and the benchmark
     _v("SGLANG_VERSION_OVERRIDE", "str", "", "test",
        "pretend this SGLang version is installed (exercises the version gate)"),
@@ -229,6 +232,7 @@ class Settings:
     slot_wait_s: float = 2.0  # a chunk waits this long for a receiver slot, then goes direct
     map_indices: bool = True  # prefill GPU gathers read page indices from pinned host memory
     warmup: bool = True  # a WRITE into the decode's padding page when it registers
+    warmup_timeout_s: float = 1.0  # the prefill's control thread waits this long for it
 
     @classmethod
     def from_env(cls) -> Settings:

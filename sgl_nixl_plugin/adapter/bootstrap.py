@@ -77,6 +77,29 @@ def _needs_auth(request: web.Request) -> bool:
     return request.path == "/register_dp_rank"
 
 
+def _is_topology_query(request: web.Request) -> bool:
+    return request.path == "/route" and not _needs_auth(request)
+
+
+def _without_page_size(response: web.StreamResponse) -> web.StreamResponse:
+    """The topology answer without the prefill's page size. SGLang's decode refuses any
+    page-size difference from it by raising in its scheduler (the whole decode server
+    stops); our prefill pairs tokens across page sizes instead and checks the rest at
+    registration, where a refusal fails requests, not servers. SGLang skips its check when
+    the size is unknown (null)."""
+    body = getattr(response, "body", None)
+    if not isinstance(body, bytes | bytearray):
+        return response
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return response
+    if not isinstance(data, dict) or data.get("page_size") is None:
+        return response
+    data["page_size"] = None
+    return web.json_response(data, status=response.status)
+
+
 class OneLineHttpErrors(logging.Filter):
     """aiohttp logs a request it cannot parse (broken framing, or not HTTP at all) with a
     traceback, from below our handlers; an operator's log must show such a refusal as one
@@ -143,6 +166,8 @@ class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
         if 400 <= response.status < 500:  # SGLang's own refusals (missing inputs, unknown rank)
             text = getattr(response, "text", None) or response.reason
             self._note_refusal(request, response.status, str(response.status), text)
+        if response.status == 200 and request.method == "GET" and _is_topology_query(request):
+            return _without_page_size(response)
         return response
 
     def _refuse(self, request: web.Request, status: int, reason: str, text: str) -> web.Response:

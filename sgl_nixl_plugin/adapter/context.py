@@ -73,6 +73,7 @@ class PrefillContext(SideBase):
     head_layout: HeadLayout | None = None
     attn_tp_rank: int = 0
     kv_item_len: int = 0
+    page_bound_states: tuple[str, ...] = ()  # state kinds that pair only at equal page sizes
     rooms: PrefillRooms = field(default_factory=PrefillRooms)
     peers: DecodePeers = field(default_factory=DecodePeers)
     early: EarlyAborts = field(default_factory=lambda: EarlyAborts(60.0))

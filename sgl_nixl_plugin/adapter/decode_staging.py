@@ -103,8 +103,10 @@ class DecodeStaging:
         note_abort_ack: Callable[[int, int, int | None], None],
         reject: Callable[..., None],
         fail_room: Callable[[int, str], None],
+        page_size: int = 1,
     ) -> None:
         self.buffer = buffer
+        self.page_size = page_size  # tokens a page: numbers token rows for by-token pieces
         self.rooms = rooms
         self.device = device
         self.agent_name = messenger.agent_name
@@ -240,19 +242,29 @@ class DecodeStaging:
         if self.rooms.cache_units(room, (0, -1, 1), units):
             self.rooms.counters.prepared += 1
 
+    def _items(self, m: PieceReady, pages: Any) -> Any:
+        """The piece's chunk of destination items, numpy or on the copy stream like
+        ``pages``: the room's pages, or (``by_token``) its pages' token rows."""
+        lo, n = m.page_start, m.page_count
+        if not m.by_token:
+            return pages[lo : lo + n]
+        size = self.page_size
+        first, last = lo // size, -(-(lo + n) // size)
+        return _expand(pages[first:last], size)[lo - first * size :][:n]
+
     def _units_of(self, m: PieceReady, pages: np.ndarray) -> Any:
         """The chunk's unit numbers where the copier reads them: sliced (and, for several
         units a page, expanded on the copy stream) from the room's uploaded page numbers."""
-        key = (m.page_start, m.page_count, m.units_per_item)
+        key = (m.page_start, m.page_count, -m.units_per_item if m.by_token else m.units_per_item)
         units = self.rooms.cached_units(m.room, key)
         if units is not None:
             return units
         whole = self.rooms.cached_units(m.room, (0, -1, 1))
         if whole is not None:
-            units = _expand(whole[m.page_start : m.page_start + m.page_count], m.units_per_item)
+            units = _expand(self._items(m, whole), m.units_per_item)
         else:
             geo = Geometry(m.unit_len, m.units_per_item, m.unit_len, m.dst_stride, 0, m.dst_offset)
-            host = unit_indices_of(pages[m.page_start : m.page_start + m.page_count], geo)
+            host = unit_indices_of(self._items(m, pages), geo)
             units = self.copier.prepare_units(host, self.stream)
             self.rooms.counters.late_uploads += 1
         self.rooms.cache_units(m.room, key, units)
@@ -290,13 +302,16 @@ class DecodeStaging:
         region_len = self.host_region_len if host else self.region_len
         if not (m.r0 < m.r1 <= len(self.bases)):
             return f"regions [{m.r0}, {m.r1}) outside [0, {len(self.bases)})"
-        if m.page_start + m.page_count > len(pages):
-            return f"pages [{m.page_start}, +{m.page_count}) beyond the room's {len(pages)}"
+        items, what = (
+            (len(pages) * self.page_size, "token rows") if m.by_token else (len(pages), "pages")
+        )
+        if m.page_start + m.page_count > items:
+            return f"{what} [{m.page_start}, +{m.page_count}) beyond the room's {items}"
         if not (m.j0 < m.j1 <= m.page_count * m.units_per_item):
             return f"units [{m.j0}, {m.j1}) outside the chunk"
         if (m.r1 - m.r0) * (m.j1 - m.j0) * m.unit_len > self.buffer.slot_bytes:
             return "piece larger than a staging slot"
-        chunk = pages[m.page_start : m.page_start + m.page_count]
+        chunk = self._items(m, pages)
         last = (int(chunk.max()) + 1) * m.units_per_item if len(chunk) else 0
         if m.dst_offset + last * m.dst_stride > region_len + (m.dst_stride - m.unit_len):
             return "destination beyond the registered KV region"

@@ -39,6 +39,7 @@ class _Warming:
     waiting: set[Endpoint] = field(default_factory=set)
     linked: set[Endpoint] = field(default_factory=set)  # accepted this decode
     done_at: float | None = None
+    stale: bool = False  # a rank was lost, restarted or refused: warm again on next start
 
 
 class DecodeWarmup:
@@ -59,7 +60,8 @@ class DecodeWarmup:
     def start(self, addr: str) -> None:
         """Warm ``addr`` once (again after ``forget``): a daemon thread asks its routes."""
         with self._lock:
-            if addr in self._by_addr:
+            known = self._by_addr.get(addr)
+            if known is not None and not known.stale:
                 return
             self._by_addr[addr] = _Warming(time.monotonic())
         threading.Thread(
@@ -80,7 +82,11 @@ class DecodeWarmup:
     def warmed(self) -> int:
         """Prefills whose every rank accepted the warm-up registration (linked and warmed)."""
         with self._lock:
-            return sum(1 for w in self._by_addr.values() if w.endpoints and w.linked == w.endpoints)
+            return sum(
+                1
+                for w in self._by_addr.values()
+                if w.endpoints and w.linked == w.endpoints and not w.stale
+            )
 
     def replied(self, endpoint: Endpoint, accepted: bool) -> None:
         """A prefill rank answered a registration (accepted or not: either ends the wait;
@@ -102,10 +108,16 @@ class DecodeWarmup:
                         )
 
     def forget(self, endpoint: Endpoint) -> None:
-        """A prefill rank was lost or restarted: its prefill is warmed again next time."""
+        """A prefill rank was lost, restarted or refused this decode: its prefill is warmed
+        again at the next ``start``; until then its warm-up counts as ended (``ready``), so
+        a caller waiting for it goes on and its requests report what happened."""
+        now = time.monotonic()
         with self._lock:
-            for addr in [a for a, w in self._by_addr.items() if endpoint in w.endpoints]:
-                del self._by_addr[addr]
+            for w in self._by_addr.values():
+                if endpoint in w.endpoints:
+                    w.stale = True
+                    w.waiting.clear()
+                    w.done_at = w.done_at or now
 
     def _run(self, addr: str) -> None:
         try:

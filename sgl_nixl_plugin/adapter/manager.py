@@ -28,6 +28,7 @@ from sgl_nixl_plugin.adapter.memory import (
     compat_of,
     kv_mem_kind,
     memory_from_kv_args,
+    page_bound_states,
     prefill_head_layout,
     to_regions,
 )
@@ -161,6 +162,7 @@ class NixlPluginKVManager(CommonKVManager):
             head_layout=prefill_head_layout(args, bool(self.is_mla_backend)),
             attn_tp_rank=int(self.attn_tp_rank),
             kv_item_len=int(args.kv_item_lens[0]) if len(args.kv_item_lens) else 0,
+            page_bound_states=page_bound_states(args),
             early=EarlyAborts(max(60.0, float(self.bootstrap_timeout))),
         )
         if self.staging_bytes > 0:
@@ -221,6 +223,7 @@ class NixlPluginKVManager(CommonKVManager):
                 note_abort_ack=sg.note_abort_ack,
                 reject=ctx.reject,
                 fail_room=sg.fail,
+                page_size=self.compat.page_size,
             )
         return ctx
 
@@ -403,6 +406,7 @@ class NixlPluginKVManager(CommonKVManager):
                 is_last=is_last_chunk,
                 aux_index=aux_index,
                 state=state_indices,
+                tokens=None if num_kv_tokens is None else int(num_kv_tokens),
                 events=tuple(e for e in (wait_event, indices_event) if hasattr(e, "synchronize")),
             )
         )

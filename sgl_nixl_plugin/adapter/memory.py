@@ -164,17 +164,30 @@ def prefill_head_layout(kv_args: Any, is_mla: bool) -> HeadLayout | None:
 
 
 def decode_heads(
-    layout: HeadLayout | None, page_size: int, src_item_len: int, dst_item_len: int, dst_tp: int
+    layout: HeadLayout | None,
+    page_size: int,
+    src_item_len: int,
+    dst_item_len: int,
+    dst_tp: int,
+    dst_page_size: int | None = None,
 ) -> int:
-    """KV heads a decode rank holds, from its item length and TP size (ValueError if the
-    two sides cannot be the same model): SGLang gives the decode no head counts."""
+    """KV heads a decode rank holds, from its item length, page size (the prefill's when
+    not given) and TP size (ValueError if the two sides cannot be the same model): SGLang
+    gives the decode no head counts."""
+    dst_page = dst_page_size or page_size
     if layout is None:
-        if dst_item_len != src_item_len:
+        if dst_item_len * page_size != src_item_len * dst_page:
+            sizes = (
+                f"prefill {src_item_len} bytes, decode {dst_item_len}"
+                if dst_page == page_size
+                else f"prefill {src_item_len} bytes a page of {page_size} tokens, decode "
+                f"{dst_item_len} a page of {dst_page}"
+            )
             raise ValueError(
-                f"KV item lengths differ (prefill {src_item_len} bytes, decode {dst_item_len}) "
-                "and the prefill has no head split to slice by"
+                f"KV item lengths differ ({sizes}) and the prefill has no head split to slice by"
             )
         return 0
+    page_size = dst_page
     row = page_size * layout.head_bytes
     expected = max(1, layout.total // dst_tp)
     if dst_item_len % row or dst_item_len // row != expected:
@@ -184,6 +197,18 @@ def decode_heads(
             f"{layout.head_bytes} bytes, as on the prefill): same model and --kv-cache-dtype?"
         )
     return expected
+
+
+#: SGLang state kinds addressed per request, not per page: served across page sizes.
+PAGE_FREE_STATES = frozenset({"mamba", "dsa_tail", "swa_ring", "request_row", "c128_state"})
+
+
+def page_bound_states(kv_args: Any) -> tuple[str, ...]:
+    """The state kinds of ``kv_args`` whose indices are pages (SWA windows, DSA, block
+    scales...): each side builds them at its own page size, so they pair only between
+    equal page sizes."""
+    kinds = [str(getattr(t, "value", t)) for t in getattr(kv_args, "state_types", None) or []]
+    return tuple(k for k in kinds if k not in PAGE_FREE_STATES)
 
 
 def compat_of(kv_args: Any, is_mla: bool) -> Compat:

@@ -211,23 +211,32 @@ class PrefillControl(ControlLoop):
             return
         if known is not None:
             self.drop_peer(reg.agent_name, "re-registered with a different layout")
+        pages = (ctx.compat.page_size, reg.compat.page_size)
+        if not reason and pages[0] != pages[1] and ctx.page_bound_states:
+            reason = (
+                f"page sizes differ (prefill {pages[0]}, decode {pages[1]}) and this model's "
+                f"{', '.join(ctx.page_bound_states)} state is indexed by pages: start both "
+                "servers with the same --page-size"
+            )
         if not reason:
             try:
                 layout = ctx.head_layout
                 dst_heads = (
                     decode_heads(
                         layout,
-                        ctx.compat.page_size,
+                        pages[0],
                         ctx.kv_item_len,
                         reg.kv[0].item_len if reg.kv else 0,
                         reg.tp_size,
+                        pages[1],
                     )
                     if not ctx.is_mla
                     else 0
                 )
                 geometry = kv_geometry(
                     is_mla=ctx.is_mla,
-                    page_size=ctx.compat.page_size,
+                    # across page sizes the KV is addressed by token rows (one a "page")
+                    page_size=pages[0] if pages[0] == pages[1] else 1,
                     head_bytes_=layout.head_bytes if layout else 0,
                     src_heads=layout.heads if layout else 0,
                     dst_heads=dst_heads,
@@ -236,7 +245,9 @@ class PrefillControl(ControlLoop):
                 )
                 remote = remote_memory(reg.kv, reg.aux, reg.state, reg.host_kv, reg.host_state)
                 ctx.sglang.check_aux_count(reg.agent_name, len(reg.aux))
-                link = ctx.engine.link(reg.agent_metadata, remote, {"kv": geometry})
+                link = ctx.engine.link(
+                    reg.agent_metadata, remote, {"kv": geometry}, page_tokens=pages
+                )
                 warm_ms = self._warm(link, reg.agent_name, _remote_staging(reg))
                 if ctx.staging is not None and not geometry.is_whole_items:
                     ctx.warm_copier(geometry.unit_len, geometry.src_stride, geometry.src_offset)
@@ -275,11 +286,14 @@ class PrefillControl(ControlLoop):
             )
         else:
             logger.info(
-                "sgl-nixl: decode %s (tp %d/%d) at %s:%s connected%s",
+                "sgl-nixl: decode %s (tp %d/%d) at %s:%s connected%s%s",
                 reg.agent_name,
                 reg.tp_rank,
                 reg.tp_size,
                 *endpoint,
+                f", pages of {pages[0]} tokens into pages of {pages[1]} (paired by token)"
+                if pages[0] != pages[1]
+                else "",
                 f", warm-up WRITE {warm_ms:.1f} ms" if warm_ms is not None else "",
             )
         self._reply(endpoint, reg.agent_name, reason)
@@ -292,10 +306,11 @@ class PrefillControl(ControlLoop):
         if not self.ctx.settings.warmup:
             return None
         engine, local = self.ctx.engine, self.ctx.staging
+        bound = self.ctx.settings.warmup_timeout_s
         try:
-            ms = engine.warm(link) * 1e3
+            ms = engine.warm(link, bound) * 1e3
             if local is not None and staging is not None:
-                ms += engine.warm_staging(link, local, staging) * 1e3
+                ms += engine.warm_staging(link, local, staging, bound) * 1e3
             self.ctx.warmups += 1
             return ms
         except TransferError as exc:
@@ -346,8 +361,10 @@ class PrefillControl(ControlLoop):
                 problem = "a host destination, but the decode registered no host KV pool"
             else:
                 problem = validate_items(
-                    kv, kv_group.remote_items if kv_group else 0, f"{where}destination page"
+                    kv, kv_group.remote_pages if kv_group else 0, f"{where}destination page"
                 )
+                if problem is None and kv_group is not None and kv_group.by_token:
+                    problem = _prefix_misaligned(req.decode_prefix_len, kv_group.page_tokens)
             aux_group = peer.link.groups.get("aux")
             if problem is None and req.aux_index >= 0 and aux_group is not None:
                 problem = validate_items(
@@ -405,6 +422,18 @@ class PrefillControl(ControlLoop):
             )
         if msg.generation is not None and msg.ip:
             self.ctx.sglang.ack_abort_when_drained(room, msg.ip, msg.port, msg.generation)
+
+
+def _prefix_misaligned(prefix: int | None, page_tokens: tuple[int, int]) -> str | None:
+    """SGLang's prefill sends a request from the decode's cached prefix on, in its own
+    pages: across page sizes that prefix must end on a prefill page too, or the first
+    page's tokens are not where the pairing puts them."""
+    if prefix and prefix % page_tokens[0]:
+        return (
+            f"the decode's cached prefix of {prefix} tokens does not end on a prefill page of "
+            f"{page_tokens[0]} tokens (decode pages of {page_tokens[1]})"
+        )
+    return None
 
 
 def _remote_staging(reg: PeerRegistration) -> RemoteStaging | None:

@@ -69,10 +69,11 @@ class StagedJob:
     send: StagedSend
     info: TransferInfo
     peer: DecodePeer
-    page_start: int
+    page_start: int  # the first destination item's position in the request
     page_count: int
     src_pages: np.ndarray  # for the direct fallback when no receiver slot comes in time
     dst_pages: np.ndarray
+    by_token: bool = False  # items are token rows (the sides' pages differ)
     created: float = field(default_factory=time.monotonic)
     slot_at: float | None = None  # when the decode's first staging slot was there
     fell_back: bool = False  # sent direct instead (no receiver slot in time)
@@ -185,21 +186,24 @@ class TransferWorker:
         peer = ctx.peers.get(info.agent)
         if peer is None:
             raise TransferError(f"decode {info.agent} is no longer connected")
-        dst = info.dst_pages[chunk.index_slice]
-        if len(dst) != len(chunk.pages):
-            raise TransferError(
-                f"decode {info.agent} gave {len(info.dst_pages)} pages, prefill sends "
-                f"{chunk.index_slice.stop} (chunk {chunk.index_slice.start}:"
-                f"{chunk.index_slice.stop}): page counts disagree"
-            )
         engine, link = ctx.engine, peer.link
+        group = f"{info.groups}kv"
+        g = link.groups.get(group)
+        src, dst, first = chunk.pages, info.dst_pages[chunk.index_slice], chunk.index_slice.start
+        if g is not None:
+            try:
+                src, dst, first = g.items_of(
+                    chunk.pages, info.dst_pages, chunk.index_slice, chunk.tokens
+                )
+            except TransferError as exc:
+                raise TransferError(f"decode {info.agent} {exc}") from exc
         xfers = []
-        job = self._staged(rec, chunk, info, peer, dst)
+        job = self._staged(rec, info, peer, src, dst, first)
         if job is not None:
             rec.jobs.append(job)
             rec.path = "staging"
         else:
-            xfers.append(engine.write(link, f"{info.groups}kv", chunk.pages, dst))
+            xfers.append(engine.write(link, group, src, dst))
         if chunk.is_last:
             if chunk.aux_index is not None and info.aux_index >= 0:
                 xfers.append(
@@ -230,24 +234,29 @@ class TransferWorker:
         self.ctx.sglang.begin_transfer(rec.room)
 
     def _staged(
-        self, rec: PrefillRoom, chunk: Chunk, info: TransferInfo, peer: DecodePeer, dst: np.ndarray
+        self,
+        rec: PrefillRoom,
+        info: TransferInfo,
+        peer: DecodePeer,
+        src: np.ndarray,
+        dst: np.ndarray,
+        first: int,
     ) -> StagedJob | None:
-        """A staged job for this chunk if the rule in ``choose_path`` prefers it, else None."""
+        """A staged job for this chunk's items (pages, or token rows across page sizes;
+        ``first``: the first destination item's position in the request) if the rule in
+        ``choose_path`` prefers it, else None."""
         ctx = self.ctx
         g = peer.link.groups.get("kv")
         credits = rec.credits.get(info.agent)
         staging = ctx.staging
-        unit_len = staging_unit_len(ctx.engine.memory.kv, g.geometry) if g else None
+        local = g.local_regions if g and g.local_regions else ctx.engine.memory.kv
+        unit_len = staging_unit_len(local, g.geometry) if g else None
         slot = min(staging.slot_bytes, peer.staging.slot_bytes) if staging and peer.staging else 0
-        possible = bool(
-            g and credits is not None and unit_len and unit_len <= slot and len(chunk.pages)
-        )
-        n = len(chunk.pages)
+        possible = bool(g and credits is not None and unit_len and unit_len <= slot and len(src))
+        n = len(src)
         path = choose_path(
             mode=ctx.settings.transfer_path,
-            descriptors=0
-            if not g
-            else expected_descriptors(chunk.pages, dst, g.num_regions, g.geometry),
+            descriptors=0 if not g else expected_descriptors(src, dst, g.num_regions, g.geometry),
             nbytes=0 if not g else g.unit_bytes * n,
             mem_kind=ctx.mem_kind,
             slot_bytes=staging.slot_bytes if staging is not None else 1,
@@ -258,7 +267,7 @@ class TransferWorker:
         assert g is not None and credits is not None and staging is not None and unit_len
         assert peer.staging is not None
         geo = g.geometry
-        units = unit_indices_of(chunk.pages, geo)
+        units = unit_indices_of(src, geo)
         self._ask_slots(rec.room, info, credits)
         same_device = bool(staging.device_uuid) and staging.device_uuid == peer.staging.device_uuid
         if same_device:
@@ -280,7 +289,7 @@ class TransferWorker:
             stream=ctx.copy_stream,
             drain_timeout_s=ctx.settings.abort_drain_timeout_s,
         )
-        return StagedJob(send, info, peer, chunk.index_slice.start, n, chunk.pages, dst)
+        return StagedJob(send, info, peer, first, n, src, dst, by_token=g.by_token)
 
     def _step_jobs(self, rec: PrefillRoom) -> int:
         """Advance the room's staged jobs; tell decodes about landed pieces.
@@ -340,6 +349,7 @@ class TransferWorker:
                         dst_stride=geo.dst_stride or piece.unit_len,
                         dst_offset=geo.dst_offset,
                         seq=job.send.remote_free.issue(slot),
+                        by_token=job.by_token,
                     ),
                 )
             for _ in range(job.send.settled - ended):

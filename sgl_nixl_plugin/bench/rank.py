@@ -78,7 +78,7 @@ def _setup(spec: RankSpec) -> dict[str, Any]:
         device="cpu" if spec.mem_kind == "DRAM" else "cuda",
         tp_size=spec.tp_size,
         port=30000 + spec.instance,
-        page_size=w.page_size,
+        page_size=w.page_size_of(spec.role),
         disaggregation_mode=spec.role if spec.role != "bootstrap" else "prefill",
         bootstrap_port=spec.bootstrap_port,
         kv_cache_dtype=kv_cache_dtype_arg(w.shape),
@@ -107,11 +107,12 @@ class Pools:
         (e.g. that of SGLang's ``MetadataBuffers``) is for checking the ``KVArgs`` only."""
         w = spec.workload
         self.shape = w.shape
-        self.page_size = w.page_size
+        self.page_size = w.page_size_of(spec.role)
+        self.pages_differ = w.pages_differ  # only the request's tokens travel, not whole pages
         self.heads = w.shape.heads_per_rank(spec.tp_size)
         self.head_words = w.shape.head_bytes // 4
-        self.pages = w.pool_pages()
-        self.item_len = w.page_size * self.heads * w.shape.head_bytes
+        self.pages = w.pool_pages(spec.role)
+        self.item_len = self.page_size * self.heads * w.shape.head_bytes
         self.aux_rows = 4 * w.concurrency + 4
         self.mem_kind = spec.mem_kind
         nbytes = self.pages * self.item_len
@@ -183,8 +184,11 @@ class Pools:
         else:
             view[pages] = pat
 
-    def check(self, room: int, pages: np.ndarray, host: bool = False) -> int:
-        """Number of pages (over all regions) whose bytes differ from the pattern."""
+    def check(
+        self, room: int, pages: np.ndarray, host: bool = False, tokens: int | None = None
+    ) -> int:
+        """Number of pages (over all regions) whose bytes differ from the pattern, in the
+        request's first ``tokens`` tokens (None: every token of its pages)."""
         n = np.arange(len(pages))
         bad = 0
         for r in range(len(self.kv_ptrs)):
@@ -201,7 +205,10 @@ class Pools:
                 )
             else:
                 got = view[pages]
-            bad += int(np.count_nonzero((got != pat).reshape(len(pages), -1).any(axis=1)))
+            wrong = (got != pat).reshape(len(pages) * self.page_size, -1).any(axis=1)
+            if tokens is not None:
+                wrong[tokens:] = False  # past the request: no side's data
+            bad += int(np.count_nonzero(wrong.reshape(len(pages), -1).any(axis=1)))
         return bad
 
     def state_row(self, slot: int) -> Any:
@@ -244,7 +251,7 @@ class Pools:
         a.num_draft_entries = 0
         # Layer ids come only from hybrid pools (K regions then V regions); plain pools: []
         a.kv_layer_ids = list(range(shape.layers)) * (n // shape.layers) if hybrid else []
-        a.page_size = w.page_size
+        a.page_size = self.page_size
         a.aux_data_ptrs = [b.ctypes.data for b in self.aux]
         a.aux_data_lens = [b.nbytes for b in self.aux]
         a.aux_item_lens = list(self.aux_item_bytes)
@@ -284,7 +291,7 @@ class Pools:
         if hybrid:
             # one replicated per-request state tensor (dim 0: not sliced across TP), of a
             # state layer numbered after the attention layers
-            a.state_types.append(harness.state_type("mamba"))
+            a.state_types.append(harness.state_type(w.state_kind))
             a.state_data_ptrs.append([self.state_ptr])
             a.state_data_lens.append([self.aux_rows * STATE_ITEM_BYTES])
             a.state_item_lens.append([STATE_ITEM_BYTES])
@@ -396,6 +403,7 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
                 ctx["ready_seen"], ctx["send_wall"] = t, time.time()
                 sender.init(len(ctx["pages"]), ctx["slot"])
                 ctx["parts"] = np.array_split(ctx["pages"], r.chunks)
+                ctx["tokens"] = r.chunk_tokens([len(p) for p in ctx["parts"]], w.page_size)
                 ctx["next"], ctx["next_at"] = 0, t + r.send_delay_ms * 1e-3
                 ctx["control_us"] = (time.perf_counter() - t) * 1e6
             if ctx["sent"] and ctx["next"] < len(ctx["parts"]) and status != KVPoll.Failed:
@@ -409,7 +417,11 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
                         if (last and r.with_state)
                         else None
                     )
-                    sender.send(parts[i].astype(np.int32), state_indices=state)
+                    sender.send(
+                        parts[i].astype(np.int32),
+                        state_indices=state,
+                        num_kv_tokens=ctx["tokens"][i],
+                    )
                     ctx["control_us"] += (time.perf_counter() - t) * 1e6
                     ctx["next"], ctx["next_at"] = i + 1, t + w.chunk_gap_ms * 1e-3
             elif status in (KVPoll.Success, KVPoll.Failed):
@@ -519,7 +531,7 @@ def run_decode(
                 if warmed is not None and not warmed(addr):
                     break
                 ready.add(addr)
-            pages = (host_pool if r.host else pool).alloc(r.pages(w.page_size), r.contiguous)
+            pages = (host_pool if r.host else pool).alloc(r.pages(pools.page_size), r.contiguous)
             if pages is None:
                 break
             pending.pop(0)
@@ -586,7 +598,10 @@ def run_decode(
                 if r.host:
                     res["host"] = True
                 if spec.verify:
-                    res["bad_pages"] = pools.check(room, ctx["pages"], r.host)
+                    # across page sizes only the request's tokens travel (SGLang's
+                    # num_kv_tokens); equal pages travel whole
+                    tokens = r.tokens if w.pages_differ else None
+                    res["bad_pages"] = pools.check(room, ctx["pages"], r.host, tokens)
                     slot = ctx["slot"]
                     res["bad_aux"] = sum(
                         int(

@@ -74,6 +74,15 @@ class Request:
     def pages(self, page_size: int) -> int:
         return -(-self.tokens // page_size)
 
+    def chunk_tokens(self, parts: list[int], page_size: int) -> list[int]:
+        """SGLang's ``num_kv_tokens`` of each chunk of ``parts`` pages: its pages' tokens,
+        as far as the request reaches (the chunk holding the last page ends the request)."""
+        out, left = [], self.tokens
+        for n in parts:
+            out.append(min(n * page_size, left))
+            left -= out[-1]
+        return out
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -95,6 +104,22 @@ class Workload:
     # every n-th request (from the first) goes to the decode's host pool; 0: none. SGLang's
     # host receive takes full KV (and paged SWA) only: no per-request state with it
     host_every: int = 0
+    # the decode's page size where it differs from the prefill's ``page_size`` (0: equal):
+    # the prefill pairs the two sides' pages token by token
+    decode_page_size: int = 0
+    # SGLang's StateType of the per-request state (``state``): how the pool names it to
+    # the backend (e.g. "swa", indexed by pages, pairs only between equal page sizes)
+    state_kind: str = "mamba"
+
+    def page_size_of(self, role: str) -> int:
+        """Tokens a page on ``role``'s side (prefill or decode)."""
+        if role == "decode" and self.decode_page_size:
+            return self.decode_page_size
+        return self.page_size
+
+    @property
+    def pages_differ(self) -> bool:
+        return self.page_size_of("decode") != self.page_size
 
     def __post_init__(self) -> None:
         if self.host_every and self.state:
@@ -125,8 +150,8 @@ class Workload:
             )
         return out
 
-    def pool_pages(self) -> int:
-        per_req = -(-self.max_tokens // self.page_size)
+    def pool_pages(self, role: str = "prefill") -> int:
+        per_req = -(-self.max_tokens // self.page_size_of(role))
         return per_req * self.concurrency + self.extra_pool_pages
 
 
@@ -176,13 +201,18 @@ def pattern(
     heads: np.ndarray,
     head_words: int,
 ) -> np.ndarray:
-    """uint32 words for pages ``page_in_req`` of a request: shape (pages, tokens, heads, words)."""
+    """uint32 words for pages ``page_in_req`` of a request: shape (pages, tokens, heads, words).
+
+    A function of the token's position in the request, not of its page: sides with
+    different page sizes expect the same words for the same token."""
     base = np.uint32((room * 2654435761 + region * 40503) & 0xFFFFFFFF)
-    p = page_in_req.astype(np.uint32)[:, None, None, None] * np.uint32(1_000_003)
-    t = np.arange(page_size, dtype=np.uint32)[None, :, None, None] * np.uint32(7919)
+    pos = page_in_req.astype(np.uint32)[:, None] * np.uint32(page_size) + np.arange(
+        page_size, dtype=np.uint32
+    )
+    t = pos[:, :, None, None] * np.uint32(7919)
     h = heads.astype(np.uint32)[None, None, :, None] * np.uint32(104729)
     w = np.arange(head_words, dtype=np.uint32)[None, None, None, :]
-    return base + p + t + h + w
+    return base + t + h + w
 
 
 def aux_pattern(room: int, buf: int, nbytes: int) -> np.ndarray:

@@ -31,6 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--mla", action="store_true", default=None, help="MLA layout (one latent head)")
     w = p.add_argument_group("workload")
     w.add_argument("--page-size", type=int, default=16)
+    w.add_argument(
+        "--decode-page-size",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the decode's page size where it differs from --page-size (the prefill's): "
+        "pages are paired token by token",
+    )
     w.add_argument("--requests", type=int, default=48)
     w.add_argument("--min-tokens", type=int, default=256)
     w.add_argument("--max-tokens", type=int, default=1024)
@@ -110,6 +118,7 @@ def workload_of(args: argparse.Namespace) -> Workload:
         state=not args.no_state and not args.host_every,
         seed=args.seed,
         host_every=max(0, args.host_every),
+        decode_page_size=max(0, args.decode_page_size),
     )
 
 
@@ -217,6 +226,13 @@ def main(argv: list[str] | None = None) -> int:
         _serve_metrics(args.metrics_port)
     if args.role:
         return _single_role(args, workload)
+    if args.compare and workload.pages_differ:
+        print(
+            f"--compare {args.compare}: SGLang's backends need equal page sizes on both sides; "
+            "drop --decode-page-size to compare",
+            file=sys.stderr,
+        )
+        return 2
     if args.compare:
         # SGLang's in-tree backend registers state buffers as VRAM: compare without state.
         workload = replace(workload, state=False)
@@ -236,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     shape: ModelShape = workload.shape
     header = (
         f"{shape.name}: {shape.layers} layers x {'latent' if shape.mla else f'{shape.kv_heads} KV heads'}"
-        f" x {shape.head_dim} ({shape.dtype}), page size {workload.page_size}, "
+        f" x {shape.head_dim} ({shape.dtype}), page size {workload.page_size}"
+        + (f" -> {workload.page_size_of('decode')}" if workload.pages_differ else "")
+        + ", "
         f"{workload.requests} requests of {workload.min_tokens}-{workload.max_tokens} tokens, "
         f"concurrency {workload.concurrency}, {workload.fragmentation} pages, "
         f"TP {args.prefill_tp}->{args.decode_tp}, {args.mem}"

@@ -63,6 +63,50 @@ def naive_descriptors(n_items: int, num_regions: int, geometry: Geometry) -> int
     return num_regions * n_items * geometry.units_per_item
 
 
+def token_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
+    """int64 token slots of ``pages`` (``page_size`` tokens each), in page order."""
+    pages = np.asarray(pages, dtype=np.int64)
+    if page_size == 1:
+        return pages
+    return (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)).ravel()
+
+
+def paired_tokens(
+    src_pages: np.ndarray,
+    dst_pages: np.ndarray,
+    first: int,
+    tokens: int | None,
+    page_sizes: tuple[int, int],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Source and destination token slots of one chunk when the two sides' pages differ.
+
+    ``src_pages`` hold the chunk (``page_sizes[0]`` tokens each, its first token at the
+    start of the first page); ``dst_pages`` are the whole request's destination pages
+    (``page_sizes[1]`` tokens each), and the chunk starts at its token ``first``.
+    ``tokens`` is the chunk's token count (None: every token of its pages, as far as the
+    destination reaches). ValueError when the destination cannot hold the chunk.
+    """
+    ps, pd = page_sizes
+    have = len(src_pages) * ps
+    n = have if tokens is None else int(tokens)
+    if not 0 <= n <= have:
+        raise ValueError(f"{n} tokens do not fit {len(src_pages)} source pages of {ps}")
+    if n == 0:  # a chunk without KV (e.g. a last one that carries only aux and state)
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty
+    room = len(dst_pages) * pd - first
+    if n > room:
+        if tokens is not None or room <= max(0, have - ps):
+            raise ValueError(
+                f"the destination's {len(dst_pages)} pages of {pd} tokens hold "
+                f"{max(room, 0)} tokens from token {first}; the chunk has {n}"
+            )
+        n = room  # the last source page's tail beyond the request
+    lo, hi = first // pd, -(-(first + n) // pd)
+    dst = token_slots(np.asarray(dst_pages)[lo:hi], pd)[first - lo * pd :][:n]
+    return token_slots(src_pages, ps)[:n], dst
+
+
 def validate_items(items: np.ndarray, limit: int, what: str) -> str | None:
     """An error message if any index is outside ``[0, limit)``, else None."""
     if len(items) == 0:

@@ -19,6 +19,7 @@ import numpy as np
 from sgl_nixl_plugin.engine.agent import Agent, TransferError, Xfer
 from sgl_nixl_plugin.engine.descriptors import (
     expected_descriptors,
+    paired_tokens,
     region_offsets,
     unit_indices,
 )
@@ -85,6 +86,44 @@ class GroupLink:
     num_regions: int
     remote_items: int  # smallest destination region, in items: the bound for indices
     local_items: int
+    # (local, remote) tokens a page when the sides' pages differ: items are token rows
+    # and chunks are paired token by token (``items_of``); (0, 0): items are pages
+    page_tokens: tuple[int, int] = (0, 0)
+    local_regions: RegionSet | None = None  # the local buffers as this link addresses them
+
+    @property
+    def by_token(self) -> bool:
+        return self.page_tokens != (0, 0)
+
+    @property
+    def remote_pages(self) -> int:
+        """The bound for the peer's page indices (its requests name pages, not tokens)."""
+        return self.remote_items // self.page_tokens[1] if self.by_token else self.remote_items
+
+    def items_of(
+        self, pages: np.ndarray, dst_pages: np.ndarray, index_slice: slice, tokens: int | None
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """Source items, destination items and the first destination item's position in
+        the request, for a chunk of source ``pages`` at ``index_slice`` of the request's
+        destination ``dst_pages`` (pages, or token rows when the page sizes differ).
+        A ``TransferError`` says what the peer got wrong ("gave ...")."""
+        if not self.by_token:
+            dst = dst_pages[index_slice]
+            if len(dst) != len(pages):
+                raise TransferError(
+                    f"gave {len(dst_pages)} pages, prefill sends {index_slice.stop} (chunk "
+                    f"{index_slice.start}:{index_slice.stop}): page counts disagree"
+                )
+            return pages, dst, int(index_slice.start)
+        first = int(index_slice.start) * self.page_tokens[0]
+        try:
+            src, dst = paired_tokens(pages, dst_pages, first, tokens, self.page_tokens)
+        except ValueError as exc:
+            raise TransferError(
+                f"gave pages of {self.page_tokens[1]} tokens for pages of "
+                f"{self.page_tokens[0]}: {exc}"
+            ) from exc
+        return src, dst, first
 
 
 @dataclass
@@ -107,7 +146,7 @@ class TransferEngine:
     ) -> None:
         self.agent = Agent(config, name, progress_thread)
         self.memory = memory
-        self._local_lists: dict[tuple[str, Geometry], _Side] = {}
+        self._local_lists: dict[tuple[str, Geometry, tuple[int, ...]], _Side] = {}
         self._lock = threading.Lock()
         for regions in memory.groups().values():
             self.agent.register(regions)
@@ -120,22 +159,30 @@ class TransferEngine:
     def metadata(self) -> bytes:
         return self.agent.metadata
 
-    def _local_side(self, group: str, geometry: Geometry) -> _Side:
-        key = (group, geometry)
+    def _local_side(self, group: str, geometry: Geometry, regions: RegionSet) -> _Side:
+        key = (group, geometry, regions.item_lens)
         with self._lock:
             side = self._local_lists.get(key)
             if side is None:
-                regions = self.memory.groups()[group]
                 dlist = self.agent.prep(None, geometry.strided(regions, "src"), regions.mem_kind)
                 side = _Side(dlist, region_offsets(geometry.unit_counts(regions)))
                 self._local_lists[key] = side
             return side
 
     def link(
-        self, metadata: bytes, remote: Memory, geometries: dict[str, Geometry] | None = None
+        self,
+        metadata: bytes,
+        remote: Memory,
+        geometries: dict[str, Geometry] | None = None,
+        page_tokens: tuple[int, int] | None = None,
     ) -> PeerLink:
         """Add the peer and prepare every group both sides have (a peer's host groups
-        against the local group they are written from); whole items by default."""
+        against the local group they are written from); whole items by default.
+
+        ``page_tokens`` = (local, remote) tokens a page: when they differ, the KV groups are
+        prepared per token row (``RegionSet.per_token``) and ``geometries['kv']`` speaks of
+        token rows; chunks are then paired token by token (``GroupLink.items_of``)."""
+        by_token = page_tokens is not None and page_tokens[0] != page_tokens[1]
         name = self.agent.add_peer(metadata)
         link = PeerLink(name)
         local_groups, remote_groups = self.memory.groups(), remote.groups()
@@ -147,6 +194,11 @@ class TransferEngine:
                     continue
                 n = min(len(local), len(theirs))
                 local, theirs = _first(local, n), _first(theirs, n)
+                tokens = (0, 0)
+                if by_token and mine == "kv":
+                    assert page_tokens is not None
+                    tokens = page_tokens
+                    local, theirs = local.per_token(tokens[0]), theirs.per_token(tokens[1])
                 geo = (geometries or {}).get(mine, Geometry.whole_items())
                 if geo.is_whole_items and local.item_lens != theirs.item_lens:
                     raise TransferError(
@@ -165,7 +217,7 @@ class TransferEngine:
                 )
                 link.groups[group] = GroupLink(
                     geometry=geo,
-                    local=self._local_side(mine, geo)
+                    local=self._local_side(mine, geo, local)
                     if n == len(local_groups[mine])
                     else self._prep_local_prefix(mine, local, geo),
                     remote=remote_side,
@@ -173,6 +225,8 @@ class TransferEngine:
                     num_regions=n,
                     remote_items=int(theirs.num_items.min()),
                     local_items=int(local.num_items.min()),
+                    page_tokens=tokens,
+                    local_regions=local,
                 )
         except Exception:
             self.unlink(link)

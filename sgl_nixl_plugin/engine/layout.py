@@ -54,6 +54,18 @@ class RegionSet:
     def num_items(self) -> np.ndarray:
         return np.asarray(self.lens, dtype=np.int64) // np.asarray(self.item_lens, dtype=np.int64)
 
+    def per_token(self, tokens_per_item: int) -> RegionSet:
+        """The same buffers addressed by token row: a peer of another page size is paired
+        token by token, so each item splits into ``tokens_per_item`` rows."""
+        if tokens_per_item == 1:
+            return self
+        if tokens_per_item <= 0 or any(n % tokens_per_item for n in self.item_lens):
+            raise ValueError(
+                f"items of {self.item_lens[:1]} bytes do not split into {tokens_per_item} tokens"
+            )
+        rows = tuple(n // tokens_per_item for n in self.item_lens)
+        return RegionSet(self.ptrs, self.lens, rows, self.devices, self.mem_kind)
+
     def reg_array(self) -> np.ndarray:
         """Nx3 (address, length, device) rows for ``register_memory``."""
         return np.ascontiguousarray(

@@ -65,6 +65,7 @@ class Chunk:
     aux_index: int | None
     state: list[Any] | None
     events: tuple[Any, ...] = ()  # CUDA events the source pages wait on
+    tokens: int | None = None  # tokens in ``pages`` (SGLang's num_kv_tokens), if given
 
 
 @dataclass(eq=False)

@@ -8,10 +8,18 @@ import msgspec
 
 from sgl_nixl_plugin.wire.messages import Compat
 
+#: ``Compat`` fields the two sides may differ in: the prefill pairs tokens across page sizes.
+MAY_DIFFER = frozenset({"page_size"})
+
+
+def _agreed(compat: Compat) -> list[str]:
+    return [f for f in compat.__struct_fields__ if f not in MAY_DIFFER]
+
 
 def compat_hash(compat: Compat) -> str:
     """Stable digest of everything both sides must agree on (field order is fixed)."""
-    return hashlib.sha256(msgspec.json.encode(compat)).hexdigest()[:32]
+    agreed = {name: getattr(compat, name) for name in _agreed(compat)}
+    return hashlib.sha256(msgspec.json.encode(agreed)).hexdigest()[:32]
 
 
 def describe_mismatch(local: Compat, remote: Compat, local_role: str = "prefill") -> str:
@@ -19,7 +27,7 @@ def describe_mismatch(local: Compat, remote: Compat, local_role: str = "prefill"
     remote_role = "decode" if local_role == "prefill" else "prefill"
     diffs = [
         f"{name}: {local_role}={getattr(local, name)!r} {remote_role}={getattr(remote, name)!r}"
-        for name in local.__struct_fields__
+        for name in _agreed(local)
         if getattr(local, name) != getattr(remote, name)
     ]
     if not diffs:
@@ -27,6 +35,6 @@ def describe_mismatch(local: Compat, remote: Compat, local_role: str = "prefill"
     return (
         "incompatible KV layouts between prefill and decode ("
         + "; ".join(diffs)
-        + "): start both servers with the same model, --page-size and --kv-cache-dtype, "
+        + "): start both servers with the same model and --kv-cache-dtype, "
         "and the same sgl-nixl-plugin release"
     )

@@ -12,7 +12,7 @@ from typing import Annotated
 import msgspec
 
 #: Bumped on any incompatible change to these structs or to the framing in ``codec``.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # Upper bounds that keep a hostile peer from making us allocate or loop without limit.
 MAX_REGIONS = 16384
@@ -180,8 +180,9 @@ class PieceReady(msgspec.Struct, frozen=True, tag="piece"):
     """Prefill rank -> decode rank: a staged piece has landed in ``slot``; scatter it.
 
     The piece covers regions ``[r0, r1)`` and units ``[j0, j1)`` of the chunk whose
-    destination pages are ``dst_pages[page_start : page_start + page_count]``; units map
-    to destination bytes with ``units_per_item``, ``unit_len``, ``dst_stride``, ``dst_offset``.
+    destination items are ``items[page_start : page_start + page_count]``, the items being
+    the room's pages (or, ``by_token``, its pages' token rows); units map to destination
+    bytes with ``units_per_item``, ``unit_len``, ``dst_stride``, ``dst_offset``.
     """
 
     room: Room
@@ -200,6 +201,9 @@ class PieceReady(msgspec.Struct, frozen=True, tag="piece"):
     dst_stride: Annotated[int, msgspec.Meta(gt=0)]
     dst_offset: NonNeg
     seq: Annotated[int, msgspec.Meta(gt=0)]  # this use of the slot; PieceDone echoes it
+    # items are token rows of the decode's pages (the sides' page sizes differ): the decode
+    # numbers its pages' tokens with its own page size
+    by_token: bool = False
 
 
 class PieceDone(msgspec.Struct, frozen=True, tag="piece_done"):

@@ -720,7 +720,10 @@ class _PrefillRank(_Rank):
             i = ctx.next_part
             last = i == len(ctx.parts) - 1
             state = [np.array([ctx.slot], dtype=np.int32)] if (last and r.with_state) else None
-            ctx.sender.send(ctx.parts[i].astype(np.int32), state_indices=state)
+            tokens = r.chunk_tokens([len(p) for p in ctx.parts], self.pools.page_size)[i]
+            ctx.sender.send(
+                ctx.parts[i].astype(np.int32), state_indices=state, num_kv_tokens=tokens
+            )
             ctx.next_part += 1
 
     def step(self) -> bool:
@@ -823,7 +826,7 @@ class _DecodeRank(_Rank):
         if not mgr.try_ensure_parallel_info(addr):
             return f"no parallel info from {addr}"
         pool = self.host_pool if r.host else self.page_pool
-        pages = pool.alloc(r.pages(self.spec.workload.page_size), r.contiguous)
+        pages = pool.alloc(r.pages(pools.page_size), r.contiguous)
         if pages is None:
             return "decode page pool exhausted"
         slot = self.slots.pop()
@@ -1054,21 +1057,28 @@ def _keys(d: dict) -> list[Any]:
     return []
 
 
-def page_matches(pools: Pools, room: int, pages: np.ndarray, host: bool = False) -> np.ndarray:
+def page_matches(
+    pools: Pools, room: int, pages: np.ndarray, host: bool = False, tokens: int | None = None
+) -> np.ndarray:
     """Per page of a request (in the host pool: ``host``): True where every region holds
-    the prefill's pattern."""
+    the prefill's pattern, in the request's first ``tokens`` tokens (None: whole pages)."""
     n = np.arange(len(pages))
     ok = np.ones(len(pages), dtype=bool)
     for r in range(len(pools.kv_ptrs)):
         pat = pattern(room, r, n, pools.page_size, pools.global_heads, pools.head_words)
         got = pools.region_words(r, host)[pages]
-        ok &= (got == pat).reshape(len(pages), -1).all(axis=1)
+        right = (got == pat).reshape(len(pages) * pools.page_size, -1).all(axis=1)
+        if tokens is not None:
+            right[tokens:] = True  # past the request: no side's data
+        ok &= right.reshape(len(pages), -1).all(axis=1)
     return ok
 
 
 def verify_room(pools: Pools, ctx: _DRoom) -> dict[str, int]:
     room, slot = ctx.req.room, ctx.slot
-    out = {"bad_pages": int((~page_matches(pools, room, ctx.pages, ctx.req.host)).sum())}
+    # across page sizes only the request's tokens travel; equal pages travel whole
+    tokens = ctx.req.tokens if pools.pages_differ else None
+    out = {"bad_pages": int((~page_matches(pools, room, ctx.pages, ctx.req.host, tokens)).sum())}
     out["bad_aux"] = sum(
         int(not np.array_equal(buf[slot * n : (slot + 1) * n], aux_pattern(room, b, n)))
         for b, (buf, n) in enumerate(zip(pools.aux, AUX_ITEM_BYTES, strict=False))

@@ -58,6 +58,8 @@ def workload(
     fragmentation: str = "mixed",
     state: bool = True,
     host_every: int = 0,
+    decode_page_size: int = 0,
+    state_kind: str = "mamba",
 ) -> Workload:
     """A small workload. The default ``chunks`` cycles with period 4 while ``mixed``
     alternates with period 2, so every (chunks, contiguous) combination occurs."""
@@ -74,6 +76,8 @@ def workload(
         fragmentation=fragmentation,
         state=state,
         host_every=host_every,
+        decode_page_size=decode_page_size,
+        state_kind=state_kind,
     )
 
 
@@ -87,7 +91,7 @@ def run_pd(w: Workload, **kwargs: Any) -> SessionResult:
 def expected_bytes(cfg: SessionConfig, pages: int) -> int:
     """KV bytes a room lands summed over the decode TP ranks (MLA is replicated per rank)."""
     w = cfg.workload
-    return pages * w.page_size * w.shape.token_bytes(cfg.decode_tp) * cfg.decode_tp
+    return pages * w.page_size_of("decode") * w.shape.token_bytes(cfg.decode_tp) * cfg.decode_tp
 
 
 def room_tables(tables: dict[str, int]) -> dict[str, int]:
@@ -171,7 +175,7 @@ def session_problems(res: SessionResult, *, check_tables: bool = True) -> list[s
                 problems.append(
                     f"room {q.room}: {k}={d[k]} (tokens={q.tokens}, chunks={q.chunks}, contiguous={q.contiguous})"
                 )
-        want = expected_bytes(cfg, q.pages(w.page_size))
+        want = expected_bytes(cfg, q.pages(w.page_size_of("decode")))
         if not d.get("bytes") or d["bytes"] != want:
             problems.append(f"room {q.room}: bytes={d.get('bytes')} expected {want}")
 

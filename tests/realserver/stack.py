@@ -59,6 +59,7 @@ SHIM_PLUGINS = {
 }
 
 SERVER_READY_S = 240 * TIMEOUT_SCALE
+WARMUP_TIMEOUT_S = 30 * TIMEOUT_SCALE
 ROUTER_READY_S = 60 * TIMEOUT_SCALE
 PROCESS_DEADLINE_S = 900 * TIMEOUT_SCALE
 REQUEST_TIMEOUT_S = 180 * TIMEOUT_SCALE
@@ -127,6 +128,9 @@ def server_env(
         UCX_NET_DEVICES="lo",
         SGLANG_CPU_OMP_THREADS_BIND=cpu_bind(tp),
         SGLANG_NCCL_SO_PATH=str(tmp / "no-nccl-on-this-cpu-host" / "libnccl.so.2"),
+        # The warm-up WRITE at registration is checked to happen: on CI's 2 cores, shared by
+        # 4 TP ranks, a router and their threads, its default 1 s bound was once too short.
+        SGLANG_NIXL_PLUGIN_WARMUP_TIMEOUT=str(WARMUP_TIMEOUT_S),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
@@ -175,6 +179,10 @@ class PDStack:
     bootstrap_port: int
     startup_s: float = 0.0
     procs: list[ManagedProcess] = field(default_factory=list)
+    decode_page: int = 0  # the decode's page size (the prefill's ``page`` when equal)
+
+    def __post_init__(self) -> None:
+        self.decode_page = self.decode_page or self.page
 
     @property
     def url(self) -> str:
@@ -225,18 +233,22 @@ class Launcher:
         decode_plugins: Sequence[str] = (),
         extra: Sequence[str] = (),
         host_receive: bool = False,
+        decode_page: int | None = None,
     ) -> PDStack:
         """Prefill + decode (started together) and the router; ``decode_plugins``: extra
         test-only SGLang plugins for the decode server (the negative control); ``extra``:
         more server arguments for both; ``host_receive``: the decode receives every request
         into its host pool (threshold 0: SGLang's ``host_pool`` backup, on a CPU host with
-        the ``host_pool_cpu`` shim) instead of its device pool."""
+        the ``host_pool_cpu`` shim) instead of its device pool; ``decode_page``: the
+        decode's ``--page-size`` where it differs from the prefill's ``page``."""
         if host_receive:
             decode_plugins = [*decode_plugins, HOST_POOL_PLUGIN]
             decode_args = ["--disaggregation-decode-host-receive-threshold", "0"]
         else:
             decode_args = ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
-        tag = f"{backend}-tp{tp}-p{page}" + "".join(f"-{p}" for p in decode_plugins)
+        dpage = decode_page or page
+        tag = f"{backend}-tp{tp}-p{page}" + (f"-d{dpage}" if dpage != page else "")
+        tag += "".join(f"-{p}" for p in decode_plugins)
         started = time.monotonic()
         bootstrap, decode_bootstrap = free_ports(2)
         prefill = self._server(
@@ -246,7 +258,7 @@ class Launcher:
              "--disaggregation-bootstrap-port", str(bootstrap), *extra],
         )  # fmt: skip
         decode = self._server(
-            f"decode-{tag}", backend, tp, page,
+            f"decode-{tag}", backend, tp, dpage,
             ["--disaggregation-mode", "decode",
              "--disaggregation-transfer-backend", "nixl",
              "--disaggregation-bootstrap-port", str(decode_bootstrap),
@@ -280,7 +292,7 @@ class Launcher:
             raise
         return PDStack(
             backend, tp, page, prefill, decode, router, bootstrap,
-            startup_s=time.monotonic() - started, procs=procs,
+            startup_s=time.monotonic() - started, procs=procs, decode_page=dpage,
         )  # fmt: skip
 
     def stop(self, procs: Sequence[ManagedProcess]) -> None:

@@ -83,18 +83,22 @@ class Config:
     batches: tuple[str, ...] = ("sequential", "concurrent")
     metrics: bool = False  # both servers with --enable-metrics; the prefill's series checked
     host: bool = False  # the decode receives every request into its host pool
+    decode_page: int | None = None  # the decode's page size, where it differs
 
     @property
     def id(self) -> str:
         tp = f"-tp{self.tp}" if self.tp > 1 else ""
-        return f"{self.backend}-p{self.page}{tp}" + ("-host" if self.host else "")
+        page = f"p{self.page}" + (f"-d{self.decode_page}" if self.decode_page else "")
+        return f"{self.backend}-{page}{tp}" + ("-host" if self.host else "")
 
 
 #: Page sizes a real server can run on a CPU. SGLang 0.5.21 allocates pages of more than one
 #: token with a Triton kernel only (its paged allocator has no CPU path), so its stage runs
 #: page size 1; later releases allocate on the CPU too.
 CPU_PAGE_SIZES = (
-    (1,) if compat.contract_for(compat.installed_sglang_version()) == "sglang_0_5_21" else (1, 16)
+    (1,)
+    if compat.contract_for(compat.installed_sglang_version()) == "sglang_0_5_21"
+    else (1, 16, 64)
 )
 
 
@@ -110,6 +114,8 @@ def _runnable(configs: tuple[Config, ...]) -> tuple[Config, ...]:
     for c in configs:
         if c.host and not HOST_RECEIVE_ON_CPU:
             continue
+        if c.decode_page and not {c.page, c.decode_page} <= set(CPU_PAGE_SIZES):
+            continue  # a page-size difference needs paged allocation on both servers
         if c.page not in CPU_PAGE_SIZES:
             c = replace(c, page=1)
         prev = out.get(c.id)
@@ -125,6 +131,9 @@ CONFIGS = _runnable(
         Config("in-tree", 16),
         Config("plugin", 16, tp=2),
         Config("plugin", 16, host=True),
+        # pages of different sizes on each side, both ways, paired token by token
+        Config("plugin", 16, decode_page=64),
+        Config("plugin", 64, decode_page=16, batches=("concurrent",)),
         # The in-tree backend is several times slower here (its 8 prefill transfer threads and
         # UCX progress share 2 cores with 4 TP ranks), so its TP 2 control sends only the
         # concurrent batch: every prompt still, the sequential ones included.
@@ -239,7 +248,15 @@ def _log_problems(stack: PDStack) -> list[str]:
             # before its first request, and that prefill rank WRITEd its padding page
             warm = "1 of 1 ranks linked and warmed" if role == "decode" else ", warm-up WRITE "
             if _count(log, warm) != tp:
-                problems.append(f"{role} log: {warm!r} {_count(log, warm)} times, expected {tp}")
+                why = [ln for ln in log.splitlines() if "warm-up" in ln or "connect" in ln]
+                problems.append(
+                    f"{role} log: {warm!r} {_count(log, warm)} times, expected {tp}; its "
+                    "warm-up and connection lines:\n  " + "\n  ".join(why[-8:])
+                )
+            if role == "prefill" and stack.decode_page != stack.page:
+                paired = f"pages of {stack.page} tokens into pages of {stack.decode_page}"
+                if _count(log, paired) != tp:
+                    problems.append(f"prefill log: {paired!r} {_count(log, paired)} times")
         else:
             if "sgl-nixl" in log:
                 line = next(ln for ln in log.splitlines() if "sgl-nixl" in ln)
@@ -336,7 +353,14 @@ def test_pd_output_ids_match_reference(
     expected = reference_outputs(cfg.tp)
     with logs_on_failure(group):
         extra = ["--enable-metrics"] if cfg.metrics else []
-        stack = launcher.pd(cfg.backend, cfg.tp, cfg.page, extra=extra, host_receive=cfg.host)
+        stack = launcher.pd(
+            cfg.backend,
+            cfg.tp,
+            cfg.page,
+            extra=extra,
+            host_receive=cfg.host,
+            decode_page=cfg.decode_page,
+        )
         try:
             record_property("pd_startup_s", round(stack.startup_s, 1))
             problems, timings = _run_batches(stack, expected, cfg.batches)

@@ -145,3 +145,35 @@ def test_rows_that_are_not_heads_mean_whole_items_not_a_crash() -> None:
     a.kv_item_lens = [PAGE * 2 * HEAD_DIM * DTYPE_BYTES] * len(a.kv_data_ptrs)  # rows of 2
     assert prefill_head_layout(a, False) is None
     assert decode_heads(None, PAGE, a.kv_item_lens[0], a.kv_item_lens[0], 1) == 0
+
+
+@pytest.mark.parametrize(("decode_page", "decode_tp"), [(64, 1), (64, 2), (4, 4), (1, 2)])
+def test_a_decode_of_another_page_size_has_its_heads_from_its_own_pages(
+    decode_page: int, decode_tp: int
+) -> None:
+    """The decode's item holds its own page's tokens: its heads come from that, not from
+    the prefill's page size (which would take a page of 64 for 4x the heads)."""
+    layout = HeadLayout(heads=4, total=4, head_bytes=64)
+    item = decode_page * (4 // decode_tp) * 64
+    assert decode_heads(layout, PAGE, PAGE * 4 * 64, item, decode_tp, decode_page) == 4 // decode_tp
+    with pytest.raises(ValueError, match=f"should be {item} \\({decode_page} tokens x"):
+        decode_heads(layout, PAGE, PAGE * 4 * 64, 2 * item, decode_tp, decode_page)
+
+
+def test_mla_across_page_sizes_compares_bytes_per_token() -> None:
+    assert decode_heads(None, 16, 16 * 576, 64 * 576, 1, 64) == 0
+    with pytest.raises(ValueError, match="prefill 9216 bytes a page of 16 tokens, decode 32768 a"):
+        decode_heads(None, 16, 16 * 576, 64 * 512, 1, 64)
+
+
+def test_states_indexed_by_pages_are_named_and_per_request_ones_are_not() -> None:
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    from sgl_nixl_plugin.adapter.memory import page_bound_states
+
+    a = KVArgs()
+    a.state_types = [StateType.MAMBA, StateType.SWA]
+    assert page_bound_states(a) == ("swa",)
+    a.state_types = [StateType.MAMBA]
+    assert page_bound_states(a) == ()
+    assert page_bound_states(KVArgs()) == ()  # a pool SGLang gives no state kinds

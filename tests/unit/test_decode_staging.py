@@ -98,3 +98,48 @@ def test_a_piece_outside_the_room_is_refused_before_it_occupies_a_slot():
     assert rooms.slots.slots[slots[0]].state.value == "held"  # not left busy by a refusal
     st._launch(_piece(5, 1))  # never granted
     assert "not granted" in rejected[1][1]
+
+
+def test_a_by_token_piece_numbers_the_rooms_token_rows_with_the_decodes_page_size():
+    """Across page sizes a piece names token rows of the room's pages: the decode expands
+    its own pages (16 tokens each here) and takes the piece's run of rows from them."""
+    st, rooms, rejected, failed = _staging()
+    st.page_size = 16
+    rooms.open(7, {P5})
+    pages = np.array([9, 2, 5])
+    base = _piece(0, 1)
+    m = PieceReady(
+        **{
+            **{f: getattr(base, f) for f in base.__struct_fields__},
+            "page_start": 12,  # token rows 12..35: the end of page 9, all of 2, 4 rows of 5
+            "page_count": 24,
+            "j1": 16,  # the piece's first 16 of them (one 1 KiB slot)
+            "by_token": True,
+        }
+    )
+    rows = st._items(m, pages)
+    want = [9 * 16 + t for t in range(12, 16)] + [2 * 16 + t for t in range(16)]
+    assert rows.tolist() == want + [5 * 16 + t for t in range(4)]
+    assert st.validate(m, pages) == ""
+    # the same numbers as a page piece would name: units of the page view are not rows
+    page_piece = PieceReady(
+        **{**{f: getattr(m, f) for f in m.__struct_fields__}, "by_token": False}
+    )
+    assert "beyond the room's 3" in st.validate(page_piece, pages)
+    past = PieceReady(**{**{f: getattr(m, f) for f in m.__struct_fields__}, "page_start": 40})
+    assert "token rows [40, +24) beyond the room's 48" in st.validate(past, pages)
+    assert not rejected and not failed
+
+
+def test_a_by_token_piece_past_the_registered_region_is_refused():
+    st, rooms, rejected, failed = _staging()
+    st.page_size = 16
+    rooms.open(7, {P5})
+    base = _piece(0, 1)
+    # the region holds 1 MiB = 16384 rows of 64 bytes: page 1024 is past it
+    m = PieceReady(
+        **{**{f: getattr(base, f) for f in base.__struct_fields__}, "page_count": 16, "j1": 16}
+    )
+    m = PieceReady(**{**{f: getattr(m, f) for f in m.__struct_fields__}, "by_token": True})
+    assert st.validate(m, np.array([1023])) == ""
+    assert "beyond the registered KV region" in st.validate(m, np.array([1024]))

@@ -77,10 +77,24 @@ def test_a_lost_rank_makes_its_prefill_warm_again_next_time(monkeypatch):
     h.warmup.replied(("127.0.0.1", 9000), True)
     assert h.warmup.ready(ADDR)
     h.warmup.forget(("127.0.0.1", 9000))
-    assert not h.warmup.ready(ADDR)
+    # the warm-up has ended (a caller waiting for it goes on) but warmed nothing now
+    assert h.warmup.ready(ADDR) and h.warmup.warmed() == 0
     h.done.clear()
     h.start(expected=2)
     assert len(h.sent) == 2
+    assert not h.warmup.ready(ADDR)  # the new warm-up waits for its reply
+    h.warmup.replied(("127.0.0.1", 9000), True)
+    assert h.warmup.ready(ADDR) and h.warmup.warmed() == 1
+
+
+def test_a_prefill_that_refused_this_decode_counts_as_ready(monkeypatch):
+    """The decode forgets a refusing rank (its next request registers again); a caller
+    waiting for the warm-up (the bench) must not wait for it forever."""
+    h = Harness(monkeypatch, _info([0]))
+    h.start(expected=1)
+    h.warmup.replied(("127.0.0.1", 9000), False)
+    h.warmup.forget(("127.0.0.1", 9000))  # what the decode does on a refusal
+    assert h.warmup.ready(ADDR) and h.warmup.warmed() == 0
 
 
 def test_a_registration_that_cannot_be_sent_does_not_hold_the_prefill_back(monkeypatch):

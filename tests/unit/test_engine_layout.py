@@ -17,6 +17,7 @@ from sgl_nixl_plugin.engine.descriptors import (
     count_runs,
     expected_descriptors,
     naive_descriptors,
+    paired_tokens,
     region_offsets,
     unit_indices,
     validate_items,
@@ -329,3 +330,75 @@ def test_strided_lists_address_the_promised_bytes(
     if n:
         assert nixl_merge_count(got_src, got_dst) == expected_descriptors(src, dst, regions, geo)
     assert expected_descriptors(src, dst, regions, geo) <= naive_descriptors(n, regions, geo)
+
+
+# -- pages of different sizes on the two sides: paired token by token ----------------------
+
+
+def _reference_pairs(src_pages, ps, dst_pages, pd, first, n):
+    """Token by token, the slow way: the chunk's token j sits at token ``first + j`` of
+    the request on the destination side."""
+    src = [int(src_pages[j // ps]) * ps + j % ps for j in range(n)]
+    dst = [int(dst_pages[(first + j) // pd]) * pd + (first + j) % pd for j in range(n)]
+    return src, dst
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ps=st.sampled_from([1, 2, 16, 64]),
+    pd=st.sampled_from([1, 4, 16, 64]),
+    tokens=st.integers(1, 700),
+    split=st.floats(0, 1),
+    exact=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_paired_tokens_put_every_token_where_the_destination_pages_hold_it(
+    ps, pd, tokens, split, exact, seed
+):
+    """A request of ``tokens`` tokens in random source and destination pages, sent in two
+    chunks cut on a source page boundary: each chunk's pairs are exactly the per-token
+    reference, and the two chunks together cover every token of the request once."""
+    rng = np.random.default_rng(seed)
+    src_all = rng.permutation(4 * (tokens // ps + 2))[: -(-tokens // ps)]
+    dst_all = rng.permutation(4 * (tokens // pd + 2))[: -(-tokens // pd)]
+    cut = int(split * (len(src_all) - 1))  # pages in the first chunk
+    seen_src, seen_dst = [], []
+    for lo, hi in ((0, cut), (cut, len(src_all))):
+        n = min(hi * ps, tokens) - lo * ps
+        src, dst = paired_tokens(src_all[lo:hi], dst_all, lo * ps, n if exact else None, (ps, pd))
+        want_n = n if exact else min((hi - lo) * ps, len(dst_all) * pd - lo * ps)
+        want = _reference_pairs(src_all[lo:hi], ps, dst_all, pd, lo * ps, want_n)
+        assert (src.tolist(), dst.tolist()) == want
+        seen_src += src.tolist()[: max(0, min(n, len(src)))]
+        seen_dst += dst.tolist()[: max(0, min(n, len(dst)))]
+    assert len(seen_dst) == tokens and len(set(seen_dst)) == tokens
+    assert seen_dst == [int(dst_all[t // pd]) * pd + t % pd for t in range(tokens)]
+    assert seen_src == [int(src_all[t // ps]) * ps + t % ps for t in range(tokens)]
+
+
+def test_paired_tokens_refuse_a_destination_too_small_naming_both_sides():
+    pages = np.arange(1, 5)  # 4 pages of 16: 64 tokens
+    with pytest.raises(ValueError, match=r"1 pages of 64 tokens hold 64 tokens from token 0; "):
+        paired_tokens(np.arange(1, 6), np.array([3]), 0, 64 + 1, (16, 64))
+    with pytest.raises(ValueError, match="hold 16 tokens from token 48; the chunk has 64"):
+        paired_tokens(pages, np.array([3]), 48, 64, (16, 64))
+    with pytest.raises(ValueError, match="do not fit 4 source pages of 16"):
+        paired_tokens(pages, np.array([3, 4]), 0, 65, (16, 64))
+    # without a token count, a last source page running past the destination is cut...
+    src, dst = paired_tokens(pages, np.array([3]), 0, None, (16, 64))
+    assert len(src) == len(dst) == 64
+    # ...but the destination must reach into that last page
+    with pytest.raises(ValueError, match="hold 32 tokens"):
+        paired_tokens(pages, np.array([7]), 32, None, (16, 64))
+    empty = paired_tokens(pages[:0], np.array([3]), 64, 0, (16, 64))
+    assert [len(a) for a in empty] == [0, 0]
+
+
+def test_per_token_regions_split_items_into_token_rows():
+    regions = regions_of(3, 10, 16 * 48)
+    rows = regions.per_token(16)
+    assert rows.item_lens == (48,) * 3 and rows.ptrs == regions.ptrs
+    assert rows.num_items.tolist() == [160] * 3
+    assert regions.per_token(1) is regions
+    with pytest.raises(ValueError, match="do not split into 5 tokens"):
+        regions.per_token(5)

@@ -278,3 +278,16 @@ def test_a_finished_room_reports_where_its_time_went(side, monkeypatch, caplog):
     (line,) = [r.getMessage() for r in caplog.records if "sgl-nixl room" in r.getMessage()]
     assert line.startswith(f"sgl-nixl room {ROOM}: ok peer={AGENT} path=direct bytes=256 ")
     assert "wall_ms=" in line and "to_post_ms=" in line
+
+
+def test_a_decode_prefix_must_end_on_a_prefill_page_across_page_sizes():
+    """SGLang's prefill sends from the decode's cached prefix on, in its own pages: with
+    other page sizes that prefix (a whole number of decode pages) must also end on a
+    prefill page, or the pairing would put the first page's tokens one offset off."""
+    from sgl_nixl_plugin.adapter.prefill_control import _prefix_misaligned
+
+    assert _prefix_misaligned(0, (16, 64)) is None
+    assert _prefix_misaligned(None, (16, 64)) is None
+    assert _prefix_misaligned(128, (16, 64)) is None  # 2 decode pages, 8 prefill pages
+    why = _prefix_misaligned(64, (48, 64))
+    assert why is not None and "64 tokens" in why and "prefill page of 48" in why

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from sgl_nixl_plugin.wire import compat_hash, describe_mismatch
+from sgl_nixl_plugin.wire.compat import MAY_DIFFER
 from sgl_nixl_plugin.wire.messages import MAX_NAME, PROTOCOL_VERSION, Compat
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,6 +31,14 @@ OTHER = {
 }
 
 FIELDS = list(Compat.__struct_fields__)
+#: The fields both sides must agree on (the prefill pairs tokens across page sizes).
+AGREED = [f for f in FIELDS if f not in MAY_DIFFER]
+
+
+def test_only_the_page_size_may_differ():
+    assert MAY_DIFFER == {"page_size"}
+    assert compat_hash(_changed("page_size")) == compat_hash(BASE)
+    assert describe_mismatch(BASE, _changed("page_size")) == ""
 
 
 def test_every_field_has_another_value():
@@ -62,19 +71,19 @@ def test_hash_survives_the_wire():
     assert compat_hash(decoded) == compat_hash(BASE)
 
 
-@pytest.mark.parametrize("field", FIELDS)
+@pytest.mark.parametrize("field", AGREED)
 def test_hash_differs_when_one_field_differs(field):
     assert compat_hash(_changed(field)) != compat_hash(BASE)
 
 
 def test_hashes_of_single_field_changes_are_all_distinct():
-    hashes = {compat_hash(BASE)} | {compat_hash(_changed(f)) for f in FIELDS}
-    assert len(hashes) == len(FIELDS) + 1
+    hashes = {compat_hash(BASE)} | {compat_hash(_changed(f)) for f in AGREED}
+    assert len(hashes) == len(AGREED) + 1
 
 
 def test_hash_distinguishes_nearby_values():
     # values that differ only slightly (an extra digit, case, a trailing space)
-    assert compat_hash(_changed("page_size", 640)) != compat_hash(BASE)
+    assert compat_hash(_changed("num_layers", 320)) != compat_hash(BASE)
     assert compat_hash(_changed("kv_dtype", "bfloat16 ")) != compat_hash(BASE)
     assert compat_hash(_changed("kv_dtype", "BFLOAT16")) != compat_hash(BASE)
 
@@ -85,7 +94,7 @@ def test_describe_mismatch_empty_when_equal():
     assert describe_mismatch(BASE, BASE, local_role="decode") == ""
 
 
-@pytest.mark.parametrize("field", FIELDS)
+@pytest.mark.parametrize("field", AGREED)
 def test_describe_mismatch_names_the_field_and_both_values(field):
     remote = _changed(field)
     text = describe_mismatch(BASE, remote)
@@ -96,7 +105,7 @@ def test_describe_mismatch_names_the_field_and_both_values(field):
             assert f"{other}:" not in text  # only the differing field is named
 
 
-@pytest.mark.parametrize("field", FIELDS)
+@pytest.mark.parametrize("field", AGREED)
 def test_describe_mismatch_roles_follow_the_local_side(field):
     remote = _changed(field)
     text = describe_mismatch(BASE, remote, local_role="decode")
@@ -106,16 +115,17 @@ def test_describe_mismatch_roles_follow_the_local_side(field):
 def test_describe_mismatch_names_every_differing_field():
     remote = Compat(**OTHER)
     text = describe_mismatch(BASE, remote)
-    for field in FIELDS:
+    for field in AGREED:
         assert f"{field}: prefill={getattr(BASE, field)!r} decode={OTHER[field]!r}" in text
+    assert "page_size" not in text
     # in declaration order, so the text is the same every time
-    positions = [text.index(f"{field}: ") for field in FIELDS]
+    positions = [text.index(f"{field}: ") for field in AGREED]
     assert positions == sorted(positions)
 
 
 def test_describe_mismatch_says_what_to_do():
-    text = describe_mismatch(BASE, _changed("page_size"))
-    assert "--page-size" in text and "--kv-cache-dtype" in text
+    text = describe_mismatch(BASE, _changed("kv_dtype"))
+    assert "same model" in text and "--kv-cache-dtype" in text
 
 
 def test_hash_and_mismatch_agree():
