@@ -43,7 +43,8 @@ class Region(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Compat(msgspec.Struct, frozen=True):
-    """What both sides must agree on; hashed, and named field by field on a mismatch.
+    """What both sides must agree on (but the page size, ``compat.MAY_DIFFER``: the prefill
+    pairs tokens across page sizes); hashed, and named field by field on a mismatch.
 
     Only what SGLang hands the manager on both sides before it is constructed: the head
     split is not here (a decode's ``KVArgs`` has no head counts), the prefill derives the

@@ -10,10 +10,14 @@ TP sizes, destination pool (device or host) and path (direct or staged).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.pd import assert_clean, run_pd, workload
+from helpers.waiting import poll_until
 
 STAGED = {"SGLANG_NIXL_PLUGIN_TRANSFER_PATH": "staging"}
 DIRECT = {"SGLANG_NIXL_PLUGIN_TRANSFER_PATH": "direct"}
@@ -114,7 +118,6 @@ def test_the_bootstrap_topology_answer_leaves_the_page_size_to_the_prefill() -> 
     documented "unknown". The bootstrap still holds each rank's page size and refuses a
     rank whose differs from the ranks already registered (one prefill, one page size)."""
     import requests
-    from helpers.waiting import poll_until
 
     from sgl_nixl_plugin.adapter.bootstrap import NixlPluginKVBootstrapServer
     from sgl_nixl_plugin.bench.session import free_port
@@ -151,34 +154,52 @@ def test_the_bootstrap_topology_answer_leaves_the_page_size_to_the_prefill() -> 
         server.close()
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("path", ["staging", "direct"])
-def test_prefill_killed_mid_transfer_across_page_sizes_fails_fast_and_drains(
-    tmp_path: Path, path: str
-) -> None:
-    """Pages of 16 into pages of 64, each room's first chunk landed (two whole decode
-    pages) and its last held by the prefill: SIGKILL the prefill. Every room fails within
-    2 s with a reason naming the lost rank, and the decode's tables drain. Then a new
-    prefill on the same bootstrap serves new requests token-exact."""
-    from helpers.faults import FaultCluster, hold_mid_transfer, make_requests
+#: Pages of 16 into pages of 64; requests of 240-256 tokens in two chunks: 15-16 prefill
+#: pages, the first chunk 8 of them = the first 2 decode pages, the last chunk the rest.
+CROSS = dict(page_size=16, decode_page_size=64, max_tokens=256, concurrency=16)
+FIRST_DECODE_PAGES = 2
+
+
+@contextmanager
+def _cross_cluster(tmp_path: Path, env: dict[str, str]) -> Iterator[tuple[Any, Any, Any, int]]:
+    """A bootstrap, a prefill and a decode of the fault harness, with pages of 16 on the
+    prefill and 64 on the decode: (cluster, prefill, decode, bootstrap port)."""
+    from helpers.faults import FaultCluster
 
     from sgl_nixl_plugin.bench.session import free_port
     from sgl_nixl_plugin.bench.workload import PRESETS, Workload
 
-    w = Workload(PRESETS["tiny"], page_size=16, decode_page_size=64, max_tokens=256, concurrency=16)
-    env = {
-        "SGLANG_NIXL_PLUGIN_TRANSFER_PATH": path,
-        "SGLANG_NIXL_PLUGIN_LIVENESS_INTERVAL": "0.5",
-        "SGLANG_NIXL_PLUGIN_LIVENESS_MISSES": "4",
-    }
-    with FaultCluster(w, tmp_path, env) as c:
+    with FaultCluster(Workload(PRESETS["tiny"], **CROSS), tmp_path, env) as c:
         boot_port = free_port()
         c.bootstrap("boot0", boot_port)
         p = c.prefill("prefill0", boot_port, serve_bootstrap=False)
         d = c.decode("decode0")
         c.ready()
+        yield c, p, d, boot_port
+
+
+def _drained(d: Any) -> dict[str, int]:
+    st = d.call("state")
+    return {k: v for k, v in st["tables"].items() if v and k.startswith("decode.")}
+
+
+@pytest.mark.timeout(180)
+def test_prefill_killed_mid_transfer_across_page_sizes_fails_fast_and_drains(
+    tmp_path: Path,
+) -> None:
+    """Staged: each room's first chunk landed (two whole decode pages) and its last held by
+    the prefill: SIGKILL the prefill. Every room fails within 2 s with a reason naming the
+    prefill, and the decode's tables drain. Then a new prefill on the same bootstrap serves
+    new requests token-exact."""
+    from helpers.faults import hold_mid_transfer, make_requests
+
+    env = {
+        "SGLANG_NIXL_PLUGIN_TRANSFER_PATH": "staging",
+        "SGLANG_NIXL_PLUGIN_LIVENESS_INTERVAL": "0.5",
+        "SGLANG_NIXL_PLUGIN_LIVENESS_MISSES": "4",
+    }
+    with _cross_cluster(tmp_path, env) as (c, p, d, boot_port):
         addr = f"127.0.0.1:{boot_port}"
-        # 240-256 tokens: 15-16 prefill pages, the first chunk 8 of them = 2 decode pages
         reqs = make_requests(6, 90, tokens=(240, 256), chunks=2)
         rooms = {r.room for r in reqs}
         hold_mid_transfer(p, d, reqs, addr, 64)
@@ -188,8 +209,7 @@ def test_prefill_killed_mid_transfer_across_page_sizes_fails_fast_and_drains(
         slow = {room: r["t"] - t_kill for room, r in failed.items() if r["t"] - t_kill > 2.0}
         assert not slow, f"rooms failed later than 2 s after the kill: {slow}"
         assert all("prefill" in (r["reason"] or "") for r in failed.values()), failed
-        st = d.call("state")
-        assert not {k: v for k, v in st["tables"].items() if v and k.startswith("decode.")}, st
+        assert not _drained(d)
 
         again = c.prefill("prefill1", boot_port, serve_bootstrap=False)
         again.wait_ready()
@@ -199,3 +219,42 @@ def test_prefill_killed_mid_transfer_across_page_sizes_fails_fast_and_drains(
         done = d.wait_done({r.room for r in more}, 30)
         bad = {room: r for room, r in done.items() if not r["ok"] or r["bad_pages"]}
         assert not bad, bad
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("path", ["staging", "direct"])
+def test_rooms_aborted_mid_transfer_across_page_sizes_are_acked_after_their_writes(
+    tmp_path: Path, path: str
+) -> None:
+    """SGLang's deferred release: the decode aborts each room as soon as bytes of its last
+    chunk land (its third decode page on), the last chunk's WRITEs (or staged pieces) in
+    flight. Every abort is acked, and no byte of an acked room changes after its ACK, even
+    once the prefill has finished everything."""
+    from helpers.faults import hold_mid_transfer, make_requests
+
+    env = {
+        "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1",
+        "SGLANG_NIXL_PLUGIN_TRANSFER_PATH": path,
+    }
+    with _cross_cluster(tmp_path, env) as (c, p, d, boot_port):
+        reqs = make_requests(8, 92, tokens=(240, 256), chunks=2)
+        rooms = {r.room for r in reqs}
+        hold_mid_transfer(p, d, reqs, f"127.0.0.1:{boot_port}", 64)
+        d.call("arm_abort", rooms=sorted(rooms), from_page=dict.fromkeys(rooms, FIRST_DECODE_PAGES))
+        p.call("release", rooms=sorted(rooms))
+
+        def progress() -> tuple[dict[int, Any], set[int], set[int]]:
+            aborted = {e["room"]: e for e in d.events("aborted") if e["room"] in rooms}
+            return aborted, {e["room"] for e in d.events("acked")}, set(d.done(rooms))
+
+        (aborted, acked, finished), _ = poll_until(
+            progress, lambda v: (set(v[0]) | v[2]) >= rooms and set(v[0]) <= v[1], 20
+        )
+        assert aborted, "no room could be aborted mid-transfer"
+        p.wait_done(rooms, 20)
+        changed = d.call("check_unchanged", rooms=sorted(aborted))
+        touched = {room: v for room, v in changed.items() if v["changed"]}
+        assert not touched, f"bytes changed after the ACK: {touched}\n{c.logs()}"
+        ok = d.done(finished)
+        assert all(r["ok"] and not r["bad_pages"] for r in ok.values()), ok
+        assert not _drained(d)
