@@ -36,8 +36,9 @@ MATRIX_TESTS=(
     tests/e2e/test_host_destination.py
 )
 # On the oldest release only (the releases between it and the newest compose the same
-# template): page-size differences, ~4 minutes a release on CI's 2 cores.
-OLDEST_TESTS=(tests/e2e/test_page_sizes.py)
+# template): page-size differences and pipeline stages, ~4 and ~2 minutes a release on CI's
+# 2 cores.
+OLDEST_TESTS=(tests/e2e/test_page_sizes.py tests/e2e/test_pipeline_parallel.py)
 # The real-server stage's plugin configurations and its own checks (the in-tree controls
 # are SGLang's backend, measured on the newest release).
 REALSERVER_K="plugin or damaged or setup or never"

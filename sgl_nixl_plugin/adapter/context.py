@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from sgl_nixl_plugin import metrics
 from sgl_nixl_plugin.adapter.memory import HeadLayout
+from sgl_nixl_plugin.adapter.pipeline_stages import PrefillStage
 from sgl_nixl_plugin.adapter.transport import Transport
 from sgl_nixl_plugin.engine.engine import PeerLink, TransferEngine
 from sgl_nixl_plugin.engine.staging import StagingBuffer
@@ -74,6 +75,7 @@ class PrefillContext(SideBase):
     attn_tp_rank: int = 0
     kv_item_len: int = 0
     page_bound_states: tuple[str, ...] = ()  # state kinds that pair only at equal page sizes
+    stage: PrefillStage = field(default_factory=PrefillStage)  # pipeline place and KV list
     rooms: PrefillRooms = field(default_factory=PrefillRooms)
     peers: DecodePeers = field(default_factory=DecodePeers)
     early: EarlyAborts = field(default_factory=lambda: EarlyAborts(60.0))

@@ -111,6 +111,9 @@ class DecodeListener(ControlLoop):
                 self.side.forget_endpoint((msg.ip, msg.port))  # it lost our registration
             elif not msg.accepted:
                 self.side.on_refused((msg.ip, msg.port), msg.reason)
+            elif isinstance(msg, RegistrationReply) and staging is not None:
+                # before any piece of that rank: its pieces come after this reply
+                staging.set_window((msg.ip, msg.port), tuple(msg.kv_window))
         elif isinstance(msg, Ping):
             me = ctx.me
             ctx.send((msg.ip, msg.port), Pong(me.name, msg.seq, me.ip, me.port))

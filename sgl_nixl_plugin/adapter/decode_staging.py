@@ -129,6 +129,10 @@ class DecodeStaging:
         self._stop = threading.Event()
         self.scatters: ScatterQueue | None = None
         self._bases_dev: Any = None
+        # per prefill rank that writes a window of our regions (a PP stage): the window, and
+        # its base addresses where the copier reads them (made on the launcher thread)
+        self._windows: dict[Endpoint, tuple[int, ...]] = {}
+        self._window_bases: dict[tuple[Endpoint, bool], Any] = {}
         self.thread = threading.Thread(target=self._run, name="sgl-nixl-scatter", daemon=True)
         self.completer = threading.Thread(
             target=self._complete, name="sgl-nixl-scatter-done", daemon=True
@@ -180,6 +184,27 @@ class DecodeStaging:
         if fresh:
             self._queue.put(_Prepare(room))
         return slots
+
+    def set_window(self, sender: Endpoint, window: tuple[int, ...]) -> None:
+        """The regions prefill rank ``sender`` writes, numbered as its pieces number them
+        (empty: all of ours, one to one)."""
+        self._window_bases = {k: v for k, v in self._window_bases.items() if k[0] != sender}
+        if window:
+            self._windows[sender] = window
+        else:
+            self._windows.pop(sender, None)
+
+    def _bases_of(self, sender: Endpoint, host: bool) -> Any:
+        window = self._windows.get(sender)
+        if window is None:
+            return self._host_bases_dev if host else self._bases_dev
+        bases = self._window_bases.get((sender, host))
+        if bases is None:
+            every = self.host_bases if host else self.bases
+            assert every is not None
+            bases = self.copier.prepare_bases(every[list(window)], self.stream)
+            self._window_bases[(sender, host)] = bases
+        return bases
 
     # -- the scatter threads ----------------------------------------------------------
     def submit(self, msg: PieceReady | TransferStatus | AbortAck) -> None:
@@ -281,7 +306,7 @@ class DecodeStaging:
             return
         assert pages is not None and self.scatters is not None
         units = self._units_of(m, pages)
-        bases = self._host_bases_dev if self.rooms.is_host(m.room) else self._bases_dev
+        bases = self._bases_of((m.ip, m.port), self.rooms.is_host(m.room))
         self.scatters.launch(
             m,
             bases=bases[m.r0 : m.r1],
@@ -300,8 +325,12 @@ class DecodeStaging:
         if host and not self.host_capable:
             return "a piece of a host room, but this decode scatters into device pages only"
         region_len = self.host_region_len if host else self.region_len
-        if not (m.r0 < m.r1 <= len(self.bases)):
-            return f"regions [{m.r0}, {m.r1}) outside [0, {len(self.bases)})"
+        window = self._windows.get((m.ip, m.port))
+        if window is not None and max(window) >= len(self.bases):
+            return f"its registration names region {max(window)} of our {len(self.bases)}"
+        regions = len(window or self.bases)
+        if not (m.r0 < m.r1 <= regions):
+            return f"regions [{m.r0}, {m.r1}) outside [0, {regions})"
         items, what = (
             (len(pages) * self.page_size, "token rows") if m.by_token else (len(pages), "pages")
         )

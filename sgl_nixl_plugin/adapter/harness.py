@@ -26,6 +26,8 @@ def boot(
     kv_cache_dtype: str,
     world_rank: int,
     gpu_id: int,
+    pp_size: int = 1,
+    pp_group: Any = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Publish SGLang's runtime context for one scheduler rank, load SGLang's plugins, and
     fetch the ``nixl`` transfer backend's classes.
@@ -50,9 +52,10 @@ def boot(
         disaggregation_transfer_backend="nixl",
         disaggregation_bootstrap_port=bootstrap_port,
         kv_cache_dtype=kv_cache_dtype,
+        pp_size=pp_size,
     )
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, gpu_id=gpu_id))
-    get_parallel().override_permanently(pp_group=None)
+    get_parallel().override_permanently(pp_group=pp_group)
     load_plugins()  # before reading get_kv_class: the plugin rebinds it
     from sglang.srt.disaggregation import utils
 
@@ -63,6 +66,49 @@ def boot(
         for kind in KV_CLASS_KINDS
     }
     return server_args, classes
+
+
+def pp_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """The ``[start, end)`` layers SGLang gives pipeline stage ``pp_rank`` of ``pp_size``
+    (``get_pp_indices``: even, the remainder on the last stages, or
+    ``SGLANG_PP_LAYER_PARTITION``)."""
+    from sglang.srt.distributed.utils import get_pp_indices
+
+    start, end = get_pp_indices(num_layers, pp_rank, pp_size)
+    return int(start), int(end)
+
+
+class GlooPPGroup:
+    """Stands in for SGLang's PP ``GroupCoordinator`` where a scheduler would have one: the
+    prefill's ``PPConsensusStore`` only broadcasts its rank 0's address through it. One gloo
+    world per prefill instance (its TP x PP ranks, rendezvous on 127.0.0.1), one group per
+    TP rank (that rank's PP stages), as SGLang groups them."""
+
+    def __init__(self, port: int, tp_size: int, pp_size: int, tp_rank: int, pp_rank: int):
+        import torch.distributed as dist
+
+        self._dist = dist
+        world = tp_size * pp_size
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            world_size=world,
+            rank=pp_rank * tp_size + tp_rank,
+        )
+        groups = [dist.new_group([p * tp_size + t for p in range(pp_size)]) for t in range(tp_size)]
+        self._group = groups[tp_rank]
+        self._tp_size, self._tp_rank = tp_size, tp_rank
+        self.world_size, self.rank_in_group = pp_size, pp_rank
+
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        box = [obj]
+        self._dist.broadcast_object_list(
+            box, src=src * self._tp_size + self._tp_rank, group=self._group
+        )
+        return box[0]
+
+    def close(self) -> None:
+        self._dist.destroy_process_group()
 
 
 def kv_poll() -> Any:

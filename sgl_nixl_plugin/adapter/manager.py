@@ -32,6 +32,7 @@ from sgl_nixl_plugin.adapter.memory import (
     prefill_head_layout,
     to_regions,
 )
+from sgl_nixl_plugin.adapter.pipeline_stages import PrefillStage
 from sgl_nixl_plugin.adapter.prefill_side import PrefillSide
 from sgl_nixl_plugin.adapter.sglang_rooms import (
     AbortTarget,
@@ -163,6 +164,15 @@ class NixlPluginKVManager(CommonKVManager):
             attn_tp_rank=int(self.attn_tp_rank),
             kv_item_len=int(args.kv_item_lens[0]) if len(args.kv_item_lens) else 0,
             page_bound_states=page_bound_states(args),
+            stage=PrefillStage(
+                pp_rank=int(self.pp_rank),
+                pp_size=int(self.pp_size),
+                first_layer=int(getattr(args, "prefill_start_layer", 0) or 0),
+                kv_entries=len(args.kv_data_ptrs),
+                draft_entries=int(getattr(args, "num_draft_entries", 0) or 0),
+                is_mla=bool(self.is_mla_backend),
+                has_state=bool(getattr(args, "state_data_ptrs", None)),
+            ),
             early=EarlyAborts(max(60.0, float(self.bootstrap_timeout))),
         )
         if self.staging_bytes > 0:
@@ -334,6 +344,9 @@ class NixlPluginKVManager(CommonKVManager):
             staging=self.decode.staging_area(),
             host_kv=to_regions(mem.host_kv) if mem.host_kv is not None else [],
             host_state=[to_regions(s) for s in mem.host_state],
+            pp_rank=int(self.pp_rank),
+            pp_size=int(self.pp_size),
+            draft_entries=int(getattr(args, "num_draft_entries", 0) or 0),
         )
         return self.codec.encode(reg)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -17,9 +18,10 @@ import numpy as np
 from sgl_nixl_plugin.adapter.context import PrefillContext
 from sgl_nixl_plugin.adapter.control_loop import ControlLoop
 from sgl_nixl_plugin.adapter.memory import decode_heads, kv_geometry, remote_memory
+from sgl_nixl_plugin.adapter.pipeline_stages import DecodeStage, PrefillStage, decode_kv_window
 from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.descriptors import validate_items
-from sgl_nixl_plugin.engine.engine import HOST, PeerLink
+from sgl_nixl_plugin.engine.engine import HOST, Memory, PeerLink
 from sgl_nixl_plugin.engine.staging import RemoteStaging, spare_of
 from sgl_nixl_plugin.protocol.credits import SlotCredits
 from sgl_nixl_plugin.protocol.peers import DecodePeer
@@ -170,12 +172,18 @@ class PrefillControl(ControlLoop):
 
     # -- registration -------------------------------------------------------------------
     def _reply(
-        self, endpoint: tuple[str, int], agent: str, reason: str = "", retry: bool = False
+        self,
+        endpoint: tuple[str, int],
+        agent: str,
+        reason: str = "",
+        retry: bool = False,
+        window: tuple[int, ...] | None = None,
     ) -> None:
         me = self.ctx.me
-        self.ctx.send(
-            endpoint, RegistrationReply(agent, me.rank, not reason, reason, me.ip, me.port, retry)
+        reply = RegistrationReply(
+            agent, me.rank, not reason, reason, me.ip, me.port, retry, list(window or ())
         )
+        self.ctx.send(endpoint, reply)
 
     def on_foreign_registration(self, reg: ForeignRegistration) -> None:
         """A decode of another protocol version: refuse it in its own version's envelope,
@@ -201,13 +209,13 @@ class PrefillControl(ControlLoop):
         reason = describe_mismatch(ctx.compat, reg.compat, "prefill")
         if not reason and reg.compat_hash != ctx.compat_hash:
             reason = "compatibility hash differs although every field matches: upgrade both sides"
-        link, warm_ms = None, None
+        link, warm_ms, window = None, None, None
         with peers.lock:
             known = peers.accepted.get(reg.agent_name)
         if known is not None and known.reg == reg:
             # The same decode process registering again (its cache was reset): keep the link.
             known.last_seen = time.monotonic()
-            self._reply(endpoint, reg.agent_name)
+            self._reply(endpoint, reg.agent_name, window=known.window)
             return
         if known is not None:
             self.drop_peer(reg.agent_name, "re-registered with a different layout")
@@ -244,6 +252,10 @@ class PrefillControl(ControlLoop):
                     dst_tp_rank=reg.tp_rank,
                 )
                 remote = remote_memory(reg.kv, reg.aux, reg.state, reg.host_kv, reg.host_state)
+                window = decode_kv_window(
+                    ctx.stage, DecodeStage(reg.pp_rank, reg.pp_size, len(reg.kv), reg.draft_entries)
+                )
+                remote = in_window(remote, window)
                 ctx.sglang.check_aux_count(reg.agent_name, len(reg.aux))
                 link = ctx.engine.link(
                     reg.agent_metadata, remote, {"kv": geometry}, page_tokens=pages
@@ -275,7 +287,7 @@ class PrefillControl(ControlLoop):
                 previous = peers.accepted.pop(reg.agent_name, None)
                 old_link = previous.link if previous is not None else None
                 peers.accepted[reg.agent_name] = DecodePeer(
-                    reg.agent_name, link, reg, endpoint, staging=_remote_staging(reg)
+                    reg.agent_name, link, reg, endpoint, staging=_remote_staging(reg), window=window
                 )
                 peers.refused.pop(reg.agent_name, None)
         if old_link is not None:
@@ -286,17 +298,18 @@ class PrefillControl(ControlLoop):
             )
         else:
             logger.info(
-                "sgl-nixl: decode %s (tp %d/%d) at %s:%s connected%s%s",
+                "sgl-nixl: decode %s (tp %d/%d) at %s:%s connected%s%s%s",
                 reg.agent_name,
                 reg.tp_rank,
                 reg.tp_size,
                 *endpoint,
+                _stage_note(ctx.stage, reg),
                 f", pages of {pages[0]} tokens into pages of {pages[1]} (paired by token)"
                 if pages[0] != pages[1]
                 else "",
                 f", warm-up WRITE {warm_ms:.1f} ms" if warm_ms is not None else "",
             )
-        self._reply(endpoint, reg.agent_name, reason)
+        self._reply(endpoint, reg.agent_name, reason, window=window)
 
     def _warm(self, link: PeerLink, agent: str, staging: RemoteStaging | None) -> float | None:
         """The first WRITEs to a new decode, into its padding page and (staged path) its
@@ -422,6 +435,22 @@ class PrefillControl(ControlLoop):
             )
         if msg.generation is not None and msg.ip:
             self.ctx.sglang.ack_abort_when_drained(room, msg.ip, msg.port, msg.generation)
+
+
+def in_window(remote: Memory, window: tuple[int, ...] | None) -> Memory:
+    """The decode's memory as this pipeline stage writes it: its KV (and host KV) regions
+    of this stage's layers (``pipeline_stages.decode_kv_window``); all when None."""
+    if window is None:
+        return remote
+    host = remote.host_kv.pick(window) if remote.host_kv is not None else None
+    return replace(remote, kv=remote.kv.pick(window), host_kv=host)
+
+
+def _stage_note(stage: PrefillStage, reg: PeerRegistration) -> str:
+    if stage.pp_size == 1 and reg.pp_size == 1:
+        return ""
+    where = "its own stage" if reg.pp_size == stage.pp_size else "its layers of this stage"
+    return f", PP stage {stage.pp_rank}/{stage.pp_size} into decode PP {reg.pp_rank}/{reg.pp_size} ({where})"
 
 
 def _prefix_misaligned(prefix: int | None, page_tokens: tuple[int, int]) -> str | None:

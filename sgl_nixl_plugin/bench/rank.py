@@ -54,6 +54,14 @@ class RankSpec:
     env: dict[str, str] = field(default_factory=dict)
     deadline_s: float = 300.0
     verify: bool = True
+    pp_size: int = 1  # pipeline stages of this rank's server
+    pp_rank: int = 0
+    pp_port: int = 0  # a PP prefill's gloo rendezvous (its instance's ranks), on 127.0.0.1
+
+    @property
+    def rank(self) -> int:
+        """SGLang's world rank within the server: PP stage-major, TP rank within a stage."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
     def my_requests(self) -> list[Request]:
         """Request i goes to prefill instance i % n_prefill and decode instance i % n_decode."""
@@ -74,6 +82,12 @@ def _setup(spec: RankSpec) -> dict[str, Any]:
     """Publish SGLang's runtime config for this rank and fetch the backend's classes."""
     os.environ.update(spec.env)
     w = spec.workload
+    pp_group = None
+    if spec.role == "prefill" and spec.pp_size > 1 and spec.pp_port:
+        # SGLang's prefill keeps its statuses in a PPConsensusStore, built over the PP group
+        pp_group = harness.GlooPPGroup(
+            spec.pp_port, spec.tp_size, spec.pp_size, spec.tp_rank, spec.pp_rank
+        )
     sa, classes = harness.boot(
         device="cpu" if spec.mem_kind == "DRAM" else "cuda",
         tp_size=spec.tp_size,
@@ -82,8 +96,10 @@ def _setup(spec: RankSpec) -> dict[str, Any]:
         disaggregation_mode=spec.role if spec.role != "bootstrap" else "prefill",
         bootstrap_port=spec.bootstrap_port,
         kv_cache_dtype=kv_cache_dtype_arg(w.shape),
-        world_rank=spec.tp_rank,
+        world_rank=spec.rank,
         gpu_id=spec.gpu_id,
+        pp_size=spec.pp_size,
+        pp_group=pp_group,
     )
     return {"server_args": sa, "classes": classes}
 
@@ -115,6 +131,16 @@ class Pools:
         self.item_len = self.page_size * self.heads * w.shape.head_bytes
         self.aux_rows = 4 * w.concurrency + 4
         self.mem_kind = spec.mem_kind
+        # a pipeline stage holds its layers only: K then V regions (MLA: one) of each
+        self.layers = (
+            harness.pp_layers(w.shape.layers, spec.pp_rank, spec.pp_size)
+            if spec.pp_size > 1
+            else (0, w.shape.layers)
+        )
+        first, end = self.layers
+        halves = 1 if w.shape.mla else 2
+        #: each local region's index in the whole model's list (the byte pattern's ``r``)
+        self.region_ids = [h * w.shape.layers + i for h in range(halves) for i in range(first, end)]
         nbytes = self.pages * self.item_len
         if spec.mem_kind == "VRAM":
             import torch
@@ -122,7 +148,7 @@ class Pools:
             torch.cuda.set_device(spec.gpu_id)
             self._t = [
                 torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{spec.gpu_id}")
-                for _ in range(w.shape.regions())
+                for _ in self.region_ids
             ]
             self.kv_ptrs = [t.data_ptr() for t in self._t]
             self._st = torch.zeros(
@@ -131,7 +157,7 @@ class Pools:
             self.state_ptr = self._st.data_ptr()
         else:
             # np.full touches every page now, so page faults don't land inside transfers
-            self.kv = [np.full(nbytes, 0, dtype=np.uint8) for _ in range(w.shape.regions())]
+            self.kv = [np.full(nbytes, 0, dtype=np.uint8) for _ in self.region_ids]
             self.kv_ptrs = [a.ctypes.data for a in self.kv]
             self.state = np.zeros(self.aux_rows * STATE_ITEM_BYTES, dtype=np.uint8)
             self.state_ptr = self.state.ctypes.data
@@ -139,7 +165,7 @@ class Pools:
         # a decode's host pool (SGLang's host receive): host memory, the device pool's items
         self.host: list[np.ndarray] = []
         if spec.role == "decode" and w.host_every:
-            self.host = [_host_buffer(nbytes, spec.mem_kind) for _ in range(w.shape.regions())]
+            self.host = [_host_buffer(nbytes, spec.mem_kind) for _ in self.region_ids]
         self.aux_item_bytes = tuple(aux_item_bytes)
         self.aux = [np.zeros(self.aux_rows * n, dtype=np.uint8) for n in self.aux_item_bytes]
         self.global_heads = (
@@ -170,8 +196,8 @@ class Pools:
 
     def fill(self, room: int, pages: np.ndarray) -> None:
         n = np.arange(len(pages))
-        for r in range(len(self.kv_ptrs)):
-            pat = pattern(room, r, n, self.page_size, self.global_heads, self.head_words)
+        for r, rid in enumerate(self.region_ids):
+            pat = pattern(room, rid, n, self.page_size, self.global_heads, self.head_words)
             self._write(r, pages, pat)
 
     def _write(self, r: int, pages: np.ndarray, pat: np.ndarray) -> None:
@@ -191,8 +217,8 @@ class Pools:
         request's first ``tokens`` tokens (None: every token of its pages)."""
         n = np.arange(len(pages))
         bad = 0
-        for r in range(len(self.kv_ptrs)):
-            pat = pattern(room, r, n, self.page_size, self.global_heads, self.head_words)
+        for r, rid in enumerate(self.region_ids):
+            pat = pattern(room, rid, n, self.page_size, self.global_heads, self.head_words)
             view = self.region_words(r, host)
             if self.mem_kind == "VRAM" and not host:
                 import torch
@@ -239,7 +265,7 @@ class Pools:
         n = len(self.kv_ptrs)
         a = kvargs_cls()
         a.engine_rank = spec.tp_rank % spec.tp_size  # attention TP == TP: no DP attention
-        a.pp_rank = 0
+        a.pp_rank = spec.pp_rank
         a.system_dp_rank = None  # SGLang's DP rank; None without a DP controller
         a.kv_cache_dtype_str = kv_cache_dtype_str(shape)
         declared = getattr(kvargs_cls, "__annotations__", {})  # fields differ by release
@@ -250,7 +276,8 @@ class Pools:
         a.kv_item_lens = [self.item_len] * n
         a.num_draft_entries = 0
         # Layer ids come only from hybrid pools (K regions then V regions); plain pools: []
-        a.kv_layer_ids = list(range(shape.layers)) * (n // shape.layers) if hybrid else []
+        first, end = self.layers
+        a.kv_layer_ids = list(range(first, end)) * (n // (end - first)) if hybrid else []
         a.page_size = self.page_size
         a.aux_data_ptrs = [b.ctypes.data for b in self.aux]
         a.aux_data_lens = [b.nbytes for b in self.aux]
@@ -259,9 +286,11 @@ class Pools:
         a.gpu_id = spec.gpu_id
         if prefill:
             a.rust_http_port = None
-            a.prefill_start_layer = 0
-            # KVCache.end_layer is the pool's last layer (inclusive); a hybrid pool has none
-            a.prefill_end_layer = None if hybrid else shape.layers - 1
+            # the stage's first layer (prefill._transfer_start_layer: pool.start_layer) and
+            # KVCache.end_layer, which SGLang's pool configurator sets to the stage's end
+            # (exclusive); a hybrid pool has none
+            a.prefill_start_layer = first
+            a.prefill_end_layer = None if hybrid else end
             if not mla_pool:  # head counts: a prefill's, of a pool SGLang does not call MLA
                 a.kv_head_num = self.heads
                 a.total_kv_head_num = shape.kv_heads
@@ -662,7 +691,7 @@ def rank_main(spec: RankSpec, out: Any, done: Any, release: Any = None) -> None:
     with nothing to send it (an MLA prefill rank beyond the decode TP, SGLang's "dummy"
     rank) may still be handshaking with it after the decode got all its data.
     """
-    key = (spec.role, spec.instance, spec.tp_rank)
+    key = (spec.role, spec.instance, spec.rank)
     reported = False
 
     def report_then_hold(result: dict[str, Any]) -> None:

@@ -61,6 +61,14 @@ class SessionConfig:
     timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)
     verify: bool = True
+    prefill_pp: int = 1  # pipeline stages of each prefill server
+    decode_pp: int = 1  # of each decode server: 1 or prefill_pp (what SGLang pairs)
+
+    def ranks(self, role: str) -> int:
+        """Scheduler processes of one ``role`` server (TP x PP)."""
+        if role == "prefill":
+            return self.prefill_tp * self.prefill_pp
+        return self.decode_tp * self.decode_pp
 
 
 @dataclass
@@ -73,7 +81,7 @@ class SessionResult:
     processes: dict[str, Any] = field(default_factory=dict)
 
     def decode_results(self) -> dict[int, dict[str, Any]]:
-        """Per room, merged across decode TP ranks (a room is ok only if every rank is)."""
+        """Per room, merged across decode ranks (a room is ok only if every rank is)."""
         out: dict[int, dict[str, Any]] = {}
         for res in self.decode.values():
             for room, r in res.get("results", {}).items():
@@ -103,6 +111,17 @@ class SessionResult:
         return out
 
 
+def _server_ranks(role: str, instance: int, tp: int, pp: int, **common: Any) -> list[RankSpec]:
+    """The scheduler ranks of one server, stage-major (SGLang's world-rank order); a PP
+    prefill's ranks share a gloo rendezvous port for their PP groups."""
+    pp_port = free_port() if role == "prefill" and pp > 1 else 0
+    return [
+        RankSpec(role, instance, tp, r, pp_size=pp, pp_rank=stage, pp_port=pp_port, **common)
+        for stage in range(pp)
+        for r in range(tp)
+    ]
+
+
 def _specs(cfg: SessionConfig) -> tuple[list[RankSpec], list[str]]:
     env = {**LOOPBACK_ENV, **cfg.env}
     if cfg.backend == "in-tree":
@@ -122,33 +141,17 @@ def _specs(cfg: SessionConfig) -> tuple[list[RankSpec], list[str]]:
     for i, port in enumerate(ports):
         if cfg.separate_bootstrap:
             specs.append(RankSpec("bootstrap", i, cfg.prefill_tp, 0, bootstrap_port=port, **common))
-        for r in range(cfg.prefill_tp):
-            specs.append(
-                RankSpec(
-                    "prefill",
-                    i,
-                    cfg.prefill_tp,
-                    r,
-                    bootstrap_port=port,
-                    serve_bootstrap=(r == 0 and not cfg.separate_bootstrap),
-                    gpu_id=cfg.prefill_gpu,
-                    **common,
-                )
-            )
+        ranks = _server_ranks(
+            "prefill", i, cfg.prefill_tp, cfg.prefill_pp,
+            bootstrap_port=port, gpu_id=cfg.prefill_gpu, **common,
+        )  # fmt: skip
+        ranks[0] = replace(ranks[0], serve_bootstrap=not cfg.separate_bootstrap)
+        specs += ranks
     for i in range(cfg.n_decode):
-        for r in range(cfg.decode_tp):
-            specs.append(
-                RankSpec(
-                    "decode",
-                    i,
-                    cfg.decode_tp,
-                    r,
-                    bootstrap_port=0,
-                    prefill_addrs=addrs,
-                    gpu_id=cfg.decode_gpu,
-                    **common,
-                )
-            )
+        specs += _server_ranks(
+            "decode", i, cfg.decode_tp, cfg.decode_pp,
+            bootstrap_port=0, prefill_addrs=addrs, gpu_id=cfg.decode_gpu, **common,
+        )  # fmt: skip
     return specs, addrs
 
 
@@ -171,14 +174,15 @@ class Session:
                 target=_rank_process,
                 args=(spec, self.out, self.done, self.release),
                 daemon=True,
-                name=f"{spec.role}{spec.instance}.{spec.tp_rank}",
+                name=f"{spec.role}{spec.instance}.{spec.rank}",
             )
             p.start()
-            self.procs[(spec.role, spec.instance, spec.tp_rank)] = p
+            self.procs[(spec.role, spec.instance, spec.rank)] = p
         return self
 
-    def kill(self, role: str, instance: int = 0, tp_rank: int = 0) -> None:
-        p = self.procs[(role, instance, tp_rank)]
+    def kill(self, role: str, instance: int = 0, rank: int = 0) -> None:
+        """Kill one rank: ``rank`` is its world rank in the server (``RankSpec.rank``)."""
+        p = self.procs[(role, instance, rank)]
         p.kill()
         p.join(timeout=10)
 
@@ -208,7 +212,7 @@ class Session:
                 if "progress" in res:
                     counts[(role, inst, rank)] = res["progress"]
                     if progress is not None:
-                        progress(sum(counts.values()) // max(1, self.cfg.decode_tp))
+                        progress(sum(counts.values()) // self.cfg.ranks("decode"))
                     continue
                 got[(role, inst, rank)] = res
                 if "error" in res:

@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("deployment")
     d.add_argument("--prefill-tp", type=int, default=1)
     d.add_argument("--decode-tp", type=int, default=1)
+    d.add_argument("--prefill-pp", type=int, default=1, help="pipeline stages of the prefill")
+    d.add_argument(
+        "--decode-pp", type=int, default=1, help="of the decode: 1 or --prefill-pp (as SGLang)"
+    )
     d.add_argument("--mem", choices=["DRAM", "VRAM"], default="DRAM")
     d.add_argument("--prefill-gpu", type=int, default=0)
     d.add_argument("--decode-gpu", type=int, default=0)
@@ -236,10 +240,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         # SGLang's in-tree backend registers state buffers as VRAM: compare without state.
         workload = replace(workload, state=False)
+    if args.decode_pp not in (1, args.prefill_pp) or args.prefill_pp < 1:
+        print(
+            f"--decode-pp {args.decode_pp}: SGLang pairs a decode at the prefill's PP size "
+            f"({args.prefill_pp}) or at PP 1",
+            file=sys.stderr,
+        )
+        return 2
+    if args.decode_pp != args.prefill_pp and workload.state:
+        # a hybrid model's state buffers are per stage: refused into a PP 1 decode
+        workload = replace(workload, state=False)
     cfg = SessionConfig(
         workload,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        prefill_pp=args.prefill_pp,
+        decode_pp=args.decode_pp,
         mem_kind=args.mem,
         prefill_gpu=args.prefill_gpu,
         decode_gpu=args.decode_gpu,
@@ -257,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         + ", "
         f"{workload.requests} requests of {workload.min_tokens}-{workload.max_tokens} tokens, "
         f"concurrency {workload.concurrency}, {workload.fragmentation} pages, "
-        f"TP {args.prefill_tp}->{args.decode_tp}, {args.mem}"
+        f"TP {args.prefill_tp}->{args.decode_tp}, "
+        + (f"PP {args.prefill_pp}->{args.decode_pp}, " if args.prefill_pp > 1 else "")
+        + f"{args.mem}"
     )
     if args.json:
         print(json.dumps({"workload": header, "results": summaries}, indent=2))

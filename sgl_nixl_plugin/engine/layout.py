@@ -66,6 +66,17 @@ class RegionSet:
         rows = tuple(n // tokens_per_item for n in self.item_lens)
         return RegionSet(self.ptrs, self.lens, rows, self.devices, self.mem_kind)
 
+    def pick(self, indices: tuple[int, ...]) -> RegionSet:
+        """The regions at ``indices``, in that order (a pipeline stage's layers of a peer
+        that holds every layer)."""
+        return RegionSet(
+            tuple(self.ptrs[i] for i in indices),
+            tuple(self.lens[i] for i in indices),
+            tuple(self.item_lens[i] for i in indices),
+            tuple(self.devices[i] for i in indices),
+            self.mem_kind,
+        )
+
     def reg_array(self) -> np.ndarray:
         """Nx3 (address, length, device) rows for ``register_memory``."""
         return np.ascontiguousarray(

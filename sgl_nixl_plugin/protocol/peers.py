@@ -21,6 +21,7 @@ class DecodePeer:
     endpoint: tuple[str, int]
     last_seen: float = field(default_factory=time.monotonic)
     staging: RemoteStaging | None = None
+    window: tuple[int, ...] | None = None  # its KV regions we write (a PP stage's); None: all
 
 
 class DecodePeers:

@@ -8,8 +8,9 @@ import msgspec
 
 from sgl_nixl_plugin.wire.messages import Compat
 
-#: ``Compat`` fields the two sides may differ in: the prefill pairs tokens across page sizes.
-MAY_DIFFER = frozenset({"page_size"})
+#: ``Compat`` fields the two sides may differ in: the prefill pairs tokens across page sizes
+#: and checks layer counts against the pipeline stages (``adapter.pipeline_stages``).
+MAY_DIFFER = frozenset({"page_size", "num_layers"})
 
 
 def _agreed(compat: Compat) -> list[str]:

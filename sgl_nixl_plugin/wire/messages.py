@@ -12,7 +12,7 @@ from typing import Annotated
 import msgspec
 
 #: Bumped on any incompatible change to these structs or to the framing in ``codec``.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 # Upper bounds that keep a hostile peer from making us allocate or loop without limit.
 MAX_REGIONS = 16384
@@ -43,8 +43,9 @@ class Region(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Compat(msgspec.Struct, frozen=True):
-    """What both sides must agree on (but the page size, ``compat.MAY_DIFFER``: the prefill
-    pairs tokens across page sizes); hashed, and named field by field on a mismatch.
+    """What both sides must agree on (but ``compat.MAY_DIFFER``: the prefill pairs tokens
+    across page sizes, and a pipeline stage's layers with a PP 1 decode's); hashed, and
+    named field by field on a mismatch.
 
     Only what SGLang hands the manager on both sides before it is constructed: the head
     split is not here (a decode's ``KVArgs`` has no head counts), the prefill derives the
@@ -87,13 +88,19 @@ class PeerRegistration(msgspec.Struct, frozen=True, tag="reg"):
     # state): empty when the decode receives into device pages only
     host_kv: Annotated[list[Region], msgspec.Meta(max_length=MAX_REGIONS)] = []
     host_state: Annotated[list[list[Region]], msgspec.Meta(max_length=MAX_REGIONS)] = []
+    # the decode's pipeline stage: a prefill stage writes its layers into a PP 1 decode's
+    # (``adapter.pipeline_stages``); draft entries end ``kv`` (speculative decoding)
+    pp_rank: NonNeg = 0
+    pp_size: Annotated[int, msgspec.Meta(gt=0)] = 1
+    draft_entries: NonNeg = 0
 
 
 class RegistrationReply(msgspec.Struct, frozen=True, tag="reg_reply"):
     """Prefill rank -> decode rank: accepted, or refused with a reason naming both sides.
 
-    Frozen across protocol versions (with ``PeerRegistration``'s ``agent_name``, ``ip``
-    and ``port``): a prefill answers a registration of another version with a refusal in
+    Frozen across protocol versions up to ``retry`` (with ``PeerRegistration``'s
+    ``agent_name``, ``ip`` and ``port``; later fields are optional, and older releases'
+    decoders ignore fields they do not know): a prefill answers a registration of another version with a refusal in
     that version's envelope (``Codec.encode_foreign``), so the decode fails its requests
     at once with a reason that names both versions.
     """
@@ -105,6 +112,10 @@ class RegistrationReply(msgspec.Struct, frozen=True, tag="reg_reply"):
     ip: Name = ""  # the prefill rank's control address, so the decode knows who refused
     port: Port = 0
     retry: bool = False  # the prefill lost this decode's registration: register again
+    # the decode's KV regions this prefill rank writes, one per region of its own (a PP
+    # stage into a PP 1 decode: staged pieces number regions as the prefill does); [] when
+    # they pair one to one
+    kv_window: Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_REGIONS)] = []
 
 
 class IndexSpec(msgspec.Struct, frozen=True, array_like=True):

@@ -254,7 +254,13 @@ def test_layer_ids_and_end_layer_depend_on_the_pool_kind(
         if c.state:  # hybrid: the attention layers' ids (K then V for MHA), no end layer
             per = 1 if _shape(c.shape).mla else 2
             assert fields["kv_layer_ids"] == list(range(layers)) * per, name
-        else:  # plain pools report none; end_layer is the last layer, inclusive
+        else:  # plain pools report none
             assert fields["kv_layer_ids"] == [], name
         if role == "prefill":
-            assert fields["prefill_end_layer"] == (None if c.state else layers - 1), name
+            # a stage's first layer, and its end (exclusive) as SGLang's pool configurator
+            # gives it to the pool: tiny's 4 layers are 1 + 1 + 2 at PP 3, 2 + 2 at PP 2
+            first, end = {1: (0, layers), 2: (2, 4), 3: (2, 4)}[c.pp_size]
+            assert fields["prefill_start_layer"] == first, name
+            assert fields["prefill_end_layer"] == (None if c.state else end), name
+            ptrs = len(fields["kv_data_ptrs"])
+            assert ptrs == (end - first) * (1 if _shape(c.shape).mla else 2), name

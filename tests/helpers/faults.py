@@ -1064,8 +1064,8 @@ def page_matches(
     the prefill's pattern, in the request's first ``tokens`` tokens (None: whole pages)."""
     n = np.arange(len(pages))
     ok = np.ones(len(pages), dtype=bool)
-    for r in range(len(pools.kv_ptrs)):
-        pat = pattern(room, r, n, pools.page_size, pools.global_heads, pools.head_words)
+    for r, rid in enumerate(pools.region_ids):
+        pat = pattern(room, rid, n, pools.page_size, pools.global_heads, pools.head_words)
         got = pools.region_words(r, host)[pages]
         right = (got == pat).reshape(len(pages) * pools.page_size, -1).all(axis=1)
         if tokens is not None:

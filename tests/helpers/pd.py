@@ -121,8 +121,8 @@ def session_problems(res: SessionResult, *, check_tables: bool = True) -> list[s
     reqs = w.make_requests()
     problems: list[str] = [f"rank error: {e}" for e in res.errors]
 
-    ranks = {("prefill", i, r) for i in range(cfg.n_prefill) for r in range(cfg.prefill_tp)}
-    ranks |= {("decode", i, r) for i in range(cfg.n_decode) for r in range(cfg.decode_tp)}
+    ranks = {("prefill", i, r) for i in range(cfg.n_prefill) for r in range(cfg.ranks("prefill"))}
+    ranks |= {("decode", i, r) for i in range(cfg.n_decode) for r in range(cfg.ranks("decode"))}
     got = {("prefill", *k) for k in res.prefill} | {("decode", *k) for k in res.decode}
     problems += [f"no result from {k}" for k in sorted(ranks - got)]
 
@@ -192,6 +192,7 @@ def describe(res: SessionResult) -> str:
     w = c.workload
     return (
         f"{c.backend} {w.shape.name} TP {c.prefill_tp}->{c.decode_tp} "
+        f"PP {c.prefill_pp}->{c.decode_pp} "
         f"P{c.n_prefill}xD{c.n_decode} page_size={w.page_size} requests={w.requests} "
         f"wall={res.wall_s:.1f}s"
     )

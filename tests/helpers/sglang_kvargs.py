@@ -41,6 +41,8 @@ class Case:
     state: bool = False  # True: a hybrid pool (attention layers + one Mamba layer)
     staging: bool = False  # decode only: the queue runs with SGLANG_DISAGG_STAGING_BUFFER
     roles: tuple[str, ...] = ("prefill", "decode")
+    pp_size: int = 1  # a pipeline stage's pool: its layers only
+    pp_rank: int = 0
 
 
 CASES = (
@@ -53,16 +55,20 @@ CASES = (
     Case("hybrid-mha-p16", "tiny", 16, state=True),
     Case("hybrid-mla-p16", "tiny-mla", 16, state=True),
     Case("mha-p16-staging", "tiny", 16, staging=True, roles=("decode",)),
+    # pipeline stages: the tiny shapes' 4 layers at PP 3 split 1 + 1 + 2 (SGLang's
+    # get_pp_indices), so stage 2 holds layers 2 and 3
+    Case("mha-p16-pp3-stage2", "tiny", 16, pp_size=3, pp_rank=2),
+    Case("mla-p16-pp2-stage1", "tiny-mla", 16, pp_size=2, pp_rank=1),
 )
 
 
 def case_groups(role: str) -> list[list[str]]:
     """The cases of ``role``, one list per subprocess: a process publishes one TP layout
     (SGLang keeps a rank it was given once: republishing a smaller TP size fails)."""
-    groups: dict[tuple[int, int], list[str]] = {}
+    groups: dict[tuple[int, int, int, int], list[str]] = {}
     for c in CASES:
         if role in c.roles:
-            groups.setdefault((c.tp_size, c.tp_rank), []).append(c.name)
+            groups.setdefault((c.tp_size, c.tp_rank, c.pp_size, c.pp_rank), []).append(c.name)
     return list(groups.values())
 
 
@@ -145,6 +151,10 @@ def _sglang_pool(case: Case, shape: Any, pools: Any, dtype: Any) -> Any:
 
     # SGLang allocates size + page_size rows per region (page 0 is padding)
     size = (pools.pages - 1) * case.page_size
+    # a stage's pool as SGLang's KV cache configurator builds it: its layers, numbered from
+    # start_layer, with end_layer the stage's end (exclusive)
+    first, end = pools.layers
+    stage = {"layer_num": end - first, "start_layer": first, "end_layer": end}
     layers = shape.layers
     rope = shape.head_dim // 2
     mla = {"kv_lora_rank": shape.head_dim - rope, "qk_rope_head_dim": rope}
@@ -189,9 +199,9 @@ def _sglang_pool(case: Case, shape: Any, pools: Any, dtype: Any) -> Any:
             size=size,
             page_size=case.page_size,
             dtype=dtype,
-            layer_num=layers,
             device="cpu",
             enable_memory_saver=False,
+            **stage,
             **mla,
         )
     return MHATokenToKVPool(
@@ -200,9 +210,9 @@ def _sglang_pool(case: Case, shape: Any, pools: Any, dtype: Any) -> Any:
         dtype=dtype,
         head_num=pools.heads,
         head_dim=shape.head_dim,
-        layer_num=layers,
         device="cpu",
         enable_memory_saver=False,
+        **stage,
     )
 
 
@@ -235,7 +245,17 @@ def capture(role: str, case: Case) -> dict[str, Any]:
         state=case.state,
         extra_pool_pages=4,
     )
-    spec = RankSpec(role, 0, case.tp_size, case.tp_rank, w, bootstrap_port=0, mem_kind="DRAM")
+    spec = RankSpec(
+        role,
+        0,
+        case.tp_size,
+        case.tp_rank,
+        w,
+        bootstrap_port=0,
+        mem_kind="DRAM",
+        pp_size=case.pp_size,
+        pp_rank=case.pp_rank,
+    )
     env = _setup(spec)  # the bench's own publish of SGLang's runtime context
 
     # the bench side, with aux buffers laid out like SGLang's MetadataBuffers
@@ -269,7 +289,7 @@ def capture(role: str, case: Case) -> dict[str, Any]:
     queue = object.__new__(queue_cls)
     queue.transfer_backend = TransferBackend.NIXL
     queue.tp_rank = case.tp_rank
-    queue.pp_rank = 0
+    queue.pp_rank = case.pp_rank
     queue.token_to_kv_pool = pool
     queue.draft_token_to_kv_pool = None
     queue.metadata_buffers = _metadata_buffers(pools.aux_rows, torch.float16)

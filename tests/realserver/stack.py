@@ -16,7 +16,8 @@ Everything a server needs to run on a CPU-only host, in one place:
   and ``UCX_NET_DEVICES=lo`` keep gloo's and UCX's listeners on loopback too. The one
   listener left on the wildcard address is torch.distributed's TCPStore in each scheduler
   (c10d binds it so; clients reach it at 127.0.0.1), which no setting moves;
-* TP 2: ``SGLANG_CPU_OMP_THREADS_BIND`` gives each rank its own cores, and
+* TP 2 or PP 2: ``SGLANG_CPU_OMP_THREADS_BIND`` gives each rank its own cores (one group
+  per TP x PP rank: with fewer, a PP rank's scheduler fails an assertion at start), and
   ``SGLANG_NCCL_SO_PATH`` names a library that does not exist: SGLang's ``PyNcclCommunicator``
   then disables itself ("expected if you are not running on NVIDIA/AMD/MTHREADS GPUs")
   instead of calling ``torch.cuda.device`` on a CPU, and all-reduce runs over gloo;
@@ -142,7 +143,9 @@ def server_env(
     return env
 
 
-def server_argv(model: Path, port: int, tp: int, page: int, extra: Sequence[str]) -> list[str]:
+def server_argv(
+    model: Path, port: int, tp: int, page: int, extra: Sequence[str], pp: int = 1
+) -> list[str]:
     argv = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model),
@@ -154,6 +157,8 @@ def server_argv(model: Path, port: int, tp: int, page: int, extra: Sequence[str]
     ]  # fmt: skip
     if tp > 1:
         argv.append("--disable-custom-all-reduce")
+    if pp > 1:
+        argv += ["--pp-size", str(pp)]
     return argv + list(extra)
 
 
@@ -180,6 +185,8 @@ class PDStack:
     startup_s: float = 0.0
     procs: list[ManagedProcess] = field(default_factory=list)
     decode_page: int = 0  # the decode's page size (the prefill's ``page`` when equal)
+    prefill_pp: int = 1  # pipeline stages of each server
+    decode_pp: int = 1
 
     def __post_init__(self) -> None:
         self.decode_page = self.decode_page or self.page
@@ -205,10 +212,11 @@ class Launcher:
         page: int,
         extra: Sequence[str] = (),
         plugins: Sequence[str] = (),
+        pp: int = 1,
     ) -> Server:
         (port,) = free_ports(1)
-        argv = server_argv(self.model, port, tp, page, extra)
-        env = server_env(backend, tp, self.tmp, plugins)
+        argv = server_argv(self.model, port, tp, page, extra, pp)
+        env = server_env(backend, tp * pp, self.tmp, plugins)
         return Server(self.group.start(name, argv, env, PROCESS_DEADLINE_S), port)
 
     def _await(self, servers: Sequence[Server], path: str, timeout_s: float) -> None:
@@ -234,13 +242,16 @@ class Launcher:
         extra: Sequence[str] = (),
         host_receive: bool = False,
         decode_page: int | None = None,
+        prefill_pp: int = 1,
+        decode_pp: int = 1,
     ) -> PDStack:
         """Prefill + decode (started together) and the router; ``decode_plugins``: extra
         test-only SGLang plugins for the decode server (the negative control); ``extra``:
         more server arguments for both; ``host_receive``: the decode receives every request
         into its host pool (threshold 0: SGLang's ``host_pool`` backup, on a CPU host with
         the ``host_pool_cpu`` shim) instead of its device pool; ``decode_page``: the
-        decode's ``--page-size`` where it differs from the prefill's ``page``."""
+        decode's ``--page-size`` where it differs from the prefill's ``page``;
+        ``prefill_pp``, ``decode_pp``: each server's ``--pp-size``."""
         if host_receive:
             decode_plugins = [*decode_plugins, HOST_POOL_PLUGIN]
             decode_args = ["--disaggregation-decode-host-receive-threshold", "0"]
@@ -248,6 +259,8 @@ class Launcher:
             decode_args = ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
         dpage = decode_page or page
         tag = f"{backend}-tp{tp}-p{page}" + (f"-d{dpage}" if dpage != page else "")
+        if prefill_pp > 1:
+            tag += f"-pp{prefill_pp}to{decode_pp}"
         tag += "".join(f"-{p}" for p in decode_plugins)
         started = time.monotonic()
         bootstrap, decode_bootstrap = free_ports(2)
@@ -256,6 +269,7 @@ class Launcher:
             ["--disaggregation-mode", "prefill",
              "--disaggregation-transfer-backend", "nixl",
              "--disaggregation-bootstrap-port", str(bootstrap), *extra],
+            pp=prefill_pp,
         )  # fmt: skip
         decode = self._server(
             f"decode-{tag}", backend, tp, dpage,
@@ -264,6 +278,7 @@ class Launcher:
              "--disaggregation-bootstrap-port", str(decode_bootstrap),
              *decode_args, *extra],
             plugins=decode_plugins,
+            pp=decode_pp,
         )  # fmt: skip
         (router_port,) = free_ports(1)
         router_argv = [
@@ -293,6 +308,7 @@ class Launcher:
         return PDStack(
             backend, tp, page, prefill, decode, router, bootstrap,
             startup_s=time.monotonic() - started, procs=procs, decode_page=dpage,
+            prefill_pp=prefill_pp, decode_pp=decode_pp,
         )  # fmt: skip
 
     def stop(self, procs: Sequence[ManagedProcess]) -> None:

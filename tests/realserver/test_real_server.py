@@ -84,12 +84,15 @@ class Config:
     metrics: bool = False  # both servers with --enable-metrics; the prefill's series checked
     host: bool = False  # the decode receives every request into its host pool
     decode_page: int | None = None  # the decode's page size, where it differs
+    pp: int = 1  # the prefill's pipeline stages
+    decode_pp: int = 1  # the decode's: 1 or ``pp``
 
     @property
     def id(self) -> str:
         tp = f"-tp{self.tp}" if self.tp > 1 else ""
+        pp = f"-pp{self.pp}to{self.decode_pp}" if self.pp > 1 else ""
         page = f"p{self.page}" + (f"-d{self.decode_page}" if self.decode_page else "")
-        return f"{self.backend}-{page}{tp}" + ("-host" if self.host else "")
+        return f"{self.backend}-{page}{tp}{pp}" + ("-host" if self.host else "")
 
 
 #: Page sizes a real server can run on a CPU. SGLang 0.5.21 allocates pages of more than one
@@ -102,6 +105,10 @@ CPU_PAGE_SIZES = (
 )
 
 
+#: Pipeline-parallel servers run on the newest release only: a PD pair of them takes 2-3
+#: minutes to start on CI's 2 cores, and the multi-process tests cover 0.5.21's PP path.
+PP_ON_CPU = CPU_PAGE_SIZES != (1,)
+
 #: SGLang 0.5.21's host pools allocate and copy through CUDA only (the host_pool_cpu shim
 #: stands in for 0.5.22's and later layouts): its stage runs no host-receive config.
 HOST_RECEIVE_ON_CPU = CPU_PAGE_SIZES != (1,)
@@ -113,6 +120,8 @@ def _runnable(configs: tuple[Config, ...]) -> tuple[Config, ...]:
     out: dict[str, Config] = {}
     for c in configs:
         if c.host and not HOST_RECEIVE_ON_CPU:
+            continue
+        if c.pp > 1 and not PP_ON_CPU:
             continue
         if c.decode_page and not {c.page, c.decode_page} <= set(CPU_PAGE_SIZES):
             continue  # a page-size difference needs paged allocation on both servers
@@ -134,6 +143,11 @@ CONFIGS = _runnable(
         # pages of different sizes on each side, both ways, paired token by token
         Config("plugin", 16, decode_page=64),
         Config("plugin", 64, decode_page=16, batches=("concurrent",)),
+        # pipeline stages: each writes its layer into a PP 1 decode, or into its own stage
+        # (SGLang's in-tree backend cannot run the first on a CPU host: it takes the decode's
+        # larger layer list for a speculative draft and refuses DRAM there)
+        Config("plugin", 16, pp=2, decode_pp=1, batches=("concurrent",)),
+        Config("plugin", 16, pp=2, decode_pp=2, batches=("concurrent",)),
         # The in-tree backend is several times slower here (its 8 prefill transfer threads and
         # UCX progress share 2 cores with 4 TP ranks), so its TP 2 control sends only the
         # concurrent batch: every prompt still, the sequential ones included.
@@ -224,8 +238,9 @@ def _count(text: str, needle: str) -> int:
 
 def _log_problems(stack: PDStack) -> list[str]:
     problems = []
-    tp = stack.tp
     for role, server in (("prefill", stack.prefill), ("decode", stack.decode)):
+        # one manager per scheduler process: TP x PP of that server
+        tp = stack.tp * (stack.prefill_pp if role == "prefill" else stack.decode_pp)
         log = server.proc.log_text()
         if "Traceback (most recent call last)" in log:
             problems.append(f"{role} log has a Traceback")
@@ -246,13 +261,22 @@ def _log_problems(stack: PDStack) -> list[str]:
                 problems.append(f"{role} log: the plugin run loaded the in-tree control shim")
             # the warm-up at first contact: each decode rank registered with its prefill rank
             # before its first request, and that prefill rank WRITEd its padding page
-            warm = "1 of 1 ranks linked and warmed" if role == "decode" else ", warm-up WRITE "
+            # (a PP 1 decode rank registers with every prefill stage)
+            n = stack.prefill_pp // stack.decode_pp
+            warm = f"{n} of {n} ranks linked and warmed" if role == "decode" else ", warm-up WRITE "
             if _count(log, warm) != tp:
                 why = [ln for ln in log.splitlines() if "warm-up" in ln or "connect" in ln]
                 problems.append(
                     f"{role} log: {warm!r} {_count(log, warm)} times, expected {tp}; its "
                     "warm-up and connection lines:\n  " + "\n  ".join(why[-8:])
                 )
+            if role == "prefill" and stack.prefill_pp > 1:
+                whose = "its own stage" if stack.decode_pp > 1 else "its layers of this stage"
+                staged = f"into decode PP 0/{stack.decode_pp} ({whose})"
+                if stack.decode_pp > 1:
+                    staged = f"/{stack.decode_pp} ({whose})"
+                if _count(log, staged) != tp:
+                    problems.append(f"prefill log: {staged!r} {_count(log, staged)} times")
             if role == "prefill" and stack.decode_page != stack.page:
                 paired = f"pages of {stack.page} tokens into pages of {stack.decode_page}"
                 if _count(log, paired) != tp:
@@ -360,6 +384,8 @@ def test_pd_output_ids_match_reference(
             extra=extra,
             host_receive=cfg.host,
             decode_page=cfg.decode_page,
+            prefill_pp=cfg.pp,
+            decode_pp=cfg.decode_pp,
         )
         try:
             record_property("pd_startup_s", round(stack.startup_s, 1))

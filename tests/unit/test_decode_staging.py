@@ -143,3 +143,24 @@ def test_a_by_token_piece_past_the_registered_region_is_refused():
     m = PieceReady(**{**{f: getattr(m, f) for f in m.__struct_fields__}, "by_token": True})
     assert st.validate(m, np.array([1023])) == ""
     assert "beyond the registered KV region" in st.validate(m, np.array([1024]))
+
+
+def test_a_pipeline_stage_numbers_regions_within_its_window():
+    """A prefill PP stage into a PP 1 decode numbers its pieces' regions within the window
+    its registration reply named: bounds checked against the window, not our regions; a
+    window naming a region we do not have refuses that rank's pieces."""
+    st, rooms, rejected, failed = _staging()
+    st.bases = np.asarray([1 << 20, 2 << 20, 3 << 20], dtype=np.uint64)
+    rooms.open(7, {P5})
+    base = _piece(0, 1)
+    two = PieceReady(**{**{f: getattr(base, f) for f in base.__struct_fields__}, "r1": 2})
+    pages = np.array([3])
+    assert st.validate(two, pages) == ""
+    st.set_window(P5, (2,))  # one layer of ours: region 2
+    assert "regions [0, 2) outside [0, 1)" in st.validate(two, pages)
+    assert st.validate(base, pages) == ""
+    st.set_window(P5, (1, 3))
+    assert "names region 3 of our 3" in st.validate(base, pages)
+    st.set_window(P5, ())  # one to one again (a re-registration at equal PP sizes)
+    assert st.validate(two, pages) == ""
+    assert not rejected and not failed

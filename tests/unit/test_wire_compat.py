@@ -31,14 +31,16 @@ OTHER = {
 }
 
 FIELDS = list(Compat.__struct_fields__)
-#: The fields both sides must agree on (the prefill pairs tokens across page sizes).
+#: The fields both sides must agree on (the prefill pairs tokens across page sizes, and
+#: checks layer counts against the pipeline stages).
 AGREED = [f for f in FIELDS if f not in MAY_DIFFER]
 
 
-def test_only_the_page_size_may_differ():
-    assert MAY_DIFFER == {"page_size"}
-    assert compat_hash(_changed("page_size")) == compat_hash(BASE)
-    assert describe_mismatch(BASE, _changed("page_size")) == ""
+@pytest.mark.parametrize("field", ["page_size", "num_layers"])
+def test_only_the_page_size_and_layer_count_may_differ(field):
+    assert MAY_DIFFER == {"page_size", "num_layers"}
+    assert compat_hash(_changed(field)) == compat_hash(BASE)
+    assert describe_mismatch(BASE, _changed(field)) == ""
 
 
 def test_every_field_has_another_value():
@@ -83,7 +85,7 @@ def test_hashes_of_single_field_changes_are_all_distinct():
 
 def test_hash_distinguishes_nearby_values():
     # values that differ only slightly (an extra digit, case, a trailing space)
-    assert compat_hash(_changed("num_layers", 320)) != compat_hash(BASE)
+    assert compat_hash(_changed("protocol_version", PROTOCOL_VERSION + 10)) != compat_hash(BASE)
     assert compat_hash(_changed("kv_dtype", "bfloat16 ")) != compat_hash(BASE)
     assert compat_hash(_changed("kv_dtype", "BFLOAT16")) != compat_hash(BASE)
 
