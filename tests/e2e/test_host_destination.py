@@ -11,12 +11,12 @@ land; SGLang has no timeout of its own there.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 from helpers.faults import (
     FaultCluster,
     RankProc,
+    aborted_and_acked,
     first_chunk_pages,
     hold_mid_transfer,
     make_requests,
@@ -140,13 +140,7 @@ def test_aborted_host_rooms_are_released_after_the_ack_and_nothing_lands_later(
         d.call("arm_abort", rooms=sorted(rooms), from_page={r.room: _first_chunk(r) for r in reqs})
         p.call("release", rooms=sorted(rooms))
 
-        def progress() -> tuple[dict[int, Any], set[int], set[int]]:
-            aborted = {e["room"]: e for e in d.events("aborted") if e["room"] in rooms}
-            return aborted, {e["room"] for e in d.events("acked")}, set(d.done(rooms))
-
-        (aborted, acked, finished), _ = poll_until(
-            progress, lambda v: (set(v[0]) | v[2]) >= rooms and set(v[0]) <= v[1], 20
-        )
+        aborted, _ = aborted_and_acked(d, rooms)
         assert aborted, "no host room could be aborted mid-transfer"
         p.wait_done(rooms, 20)
         changed = d.call("check_unchanged", rooms=sorted(aborted))

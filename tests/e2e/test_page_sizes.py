@@ -224,7 +224,7 @@ def test_rooms_aborted_mid_transfer_across_page_sizes_are_acked_after_their_writ
     """Staged, with SGLang's deferred release: the decode aborts each room as soon as bytes
     of its last chunk land (its third decode page on), the last chunk's pieces in flight. Every abort is acked, and no byte of an acked room changes after its ACK, even
     once the prefill has finished everything."""
-    from helpers.faults import hold_mid_transfer, make_requests
+    from helpers.faults import aborted_and_acked, hold_mid_transfer, make_requests
 
     env = {
         "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1",
@@ -237,13 +237,7 @@ def test_rooms_aborted_mid_transfer_across_page_sizes_are_acked_after_their_writ
         d.call("arm_abort", rooms=sorted(rooms), from_page=dict.fromkeys(rooms, FIRST_DECODE_PAGES))
         p.call("release", rooms=sorted(rooms))
 
-        def progress() -> tuple[dict[int, Any], set[int], set[int]]:
-            aborted = {e["room"]: e for e in d.events("aborted") if e["room"] in rooms}
-            return aborted, {e["room"] for e in d.events("acked")}, set(d.done(rooms))
-
-        (aborted, acked, finished), _ = poll_until(
-            progress, lambda v: (set(v[0]) | v[2]) >= rooms and set(v[0]) <= v[1], 20
-        )
+        aborted, finished = aborted_and_acked(d, rooms)
         assert aborted, "no room could be aborted mid-transfer"
         p.wait_done(rooms, 20)
         changed = d.call("check_unchanged", rooms=sorted(aborted))

@@ -12,8 +12,11 @@ destination pool and path.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.pd import assert_clean, run_pd, workload
@@ -89,21 +92,15 @@ def test_hybrid_state_into_a_pp1_decode_is_refused_on_both_sides() -> None:
             assert not r["ok"] and "state buffers" in (r.get("reason") or ""), (key, r)
 
 
-@pytest.mark.timeout(180)
-def test_a_stage_killed_mid_transfer_fails_the_decodes_rooms_fast(tmp_path: Path) -> None:
-    """Two prefill stages hold each room's last chunk after its first landed on a PP 1
-    decode (both stages' layers). SIGKILL stage 1: every room fails on the decode within 2 s
-    with a reason naming a prefill rank, and the decode's tables drain; stage 0, whose
-    rooms the decode no longer waits for, is not killed."""
-    from helpers.faults import FaultCluster, first_chunk_pages, make_requests
+@contextmanager
+def _two_stages(tmp_path: Path, env: dict[str, str]) -> Iterator[tuple[Any, list[Any], Any, str]]:
+    """A bootstrap, a prefill of two PP stages and a PP 1 decode of the fault harness, for a
+    model without state buffers: (cluster, stages, decode, bootstrap address)."""
+    from helpers.faults import FaultCluster
 
     from sgl_nixl_plugin.bench.session import free_port
     from sgl_nixl_plugin.bench.workload import PRESETS, Workload
 
-    env = {
-        "SGLANG_NIXL_PLUGIN_LIVENESS_INTERVAL": "0.5",
-        "SGLANG_NIXL_PLUGIN_LIVENESS_MISSES": "4",
-    }
     w = Workload(PRESETS["tiny"], page_size=16, max_tokens=256, concurrency=16, state=False)
     with FaultCluster(w, tmp_path, env) as c:
         boot, pp_port = free_port(), free_port()
@@ -117,28 +114,87 @@ def test_a_stage_killed_mid_transfer_fails_the_decodes_rooms_fast(tmp_path: Path
         ]
         d = c.decode("decode0")
         c.ready()
-        addr = f"127.0.0.1:{boot}"
-        # a PP 1 decode pairs with stages of a model without state buffers
-        reqs = [
-            replace(r, with_state=False) for r in make_requests(6, 93, tokens=(200, 256), chunks=2)
-        ]
-        rooms = {r.room for r in reqs}
-        for p in stages:
-            p.call("expect", reqs=reqs, plans={r.room: "hold" for r in reqs})
-        assert d.call("submit", reqs=reqs, addr=addr) == {}
-        want = {r.room: first_chunk_pages(r, 16) for r in reqs}
-        poll_until(
-            lambda: d.call("landed", rooms=list(want)),
-            lambda got: all(got.get(room, 0) >= n for room, n in want.items()),
-            30,
-        )
-        assert not d.done(rooms), "a held room finished early"
+        yield c, stages, d, f"127.0.0.1:{boot}"
+
+
+def _held_mid_transfer(stages: list[Any], d: Any, seed: int, addr: str) -> list[Any]:
+    """Six two-chunk requests whose last chunk both stages hold, returned once every room's
+    first chunk landed on the decode (both stages' layers of it)."""
+    from helpers.faults import first_chunk_pages, make_requests
+
+    reqs = [
+        replace(r, with_state=False) for r in make_requests(6, seed, tokens=(200, 256), chunks=2)
+    ]
+    for p in stages:
+        p.call("expect", reqs=reqs, plans={r.room: "hold" for r in reqs})
+    assert d.call("submit", reqs=reqs, addr=addr) == {}
+    want = {r.room: first_chunk_pages(r, 16) for r in reqs}
+    poll_until(
+        lambda: d.call("landed", rooms=list(want)),
+        lambda got: all(got.get(room, 0) >= n for room, n in want.items()),
+        30,
+    )
+    assert not d.done(set(want)), "a held room finished early"
+    return reqs
+
+
+def _decode_tables(d: Any) -> dict[str, int]:
+    st = d.call("state")
+    return {k: v for k, v in st["tables"].items() if v and k.startswith("decode.")}
+
+
+@pytest.mark.timeout(180)
+def test_a_stage_killed_mid_transfer_fails_the_decodes_rooms_fast(tmp_path: Path) -> None:
+    """Two prefill stages hold each room's last chunk after its first landed on a PP 1
+    decode. SIGKILL stage 1: every room fails on the decode within 2 s with a reason naming
+    a prefill rank, and the decode's tables drain."""
+    env = {
+        "SGLANG_NIXL_PLUGIN_LIVENESS_INTERVAL": "0.5",
+        "SGLANG_NIXL_PLUGIN_LIVENESS_MISSES": "4",
+    }
+    with _two_stages(tmp_path, env) as (c, stages, d, addr):
+        rooms = {r.room for r in _held_mid_transfer(stages, d, 93, addr)}
         t_kill = stages[1].kill()
         failed = d.wait_done(rooms, 20)
         assert set(failed) == rooms and not any(r["ok"] for r in failed.values()), failed
         slow = {room: r["t"] - t_kill for room, r in failed.items() if r["t"] - t_kill > 2.0}
         assert not slow, f"rooms failed later than 2 s after the kill: {slow}"
         assert all("prefill" in (r["reason"] or "") for r in failed.values()), failed
-        st = d.call("state")
-        left = {k: v for k, v in st["tables"].items() if v and k.startswith("decode.")}
-        assert not left, left
+        assert not _decode_tables(d)
+
+
+@pytest.mark.timeout(180)
+def test_rooms_aborted_mid_transfer_are_acked_by_every_stage_after_its_writes(
+    tmp_path: Path,
+) -> None:
+    """Staged, with SGLang's deferred release: the decode aborts each room as soon as bytes
+    of its last chunk land, both stages' last chunks in flight. Every abort is acked (SGLang
+    waits for each stage's ACK), and no byte of an acked room changes after its ACK, even
+    once both stages have finished everything."""
+    from helpers.faults import aborted_and_acked, first_chunk_pages
+
+    env = {
+        "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1",
+        "SGLANG_NIXL_PLUGIN_TRANSFER_PATH": "staging",
+    }
+    with _two_stages(tmp_path, env) as (c, stages, d, addr):
+        reqs = _held_mid_transfer(stages, d, 94, addr)
+        rooms = {r.room for r in reqs}
+        d.call(
+            "arm_abort",
+            rooms=sorted(rooms),
+            from_page={r.room: first_chunk_pages(r, 16) for r in reqs},
+        )
+        for p in stages:
+            p.call("release", rooms=sorted(rooms))
+
+        aborted, finished = aborted_and_acked(d, rooms)
+        assert aborted, "no room could be aborted mid-transfer"
+        for p in stages:
+            p.wait_done(rooms, 20)
+        changed = d.call("check_unchanged", rooms=sorted(aborted))
+        touched = {room: v for room, v in changed.items() if v["changed"]}
+        assert not touched, f"bytes changed after the ACK: {touched}\n{c.logs()}"
+        ok = d.done(finished)
+        assert all(r["ok"] and not r["bad_pages"] for r in ok.values()), ok
+        assert not _decode_tables(d)

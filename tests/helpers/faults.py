@@ -380,6 +380,22 @@ def hold_mid_transfer(
     assert not decode.done(set(want)), "a held room finished early"
 
 
+def aborted_and_acked(
+    decode: RankProc, rooms: set[int], timeout: float = 20
+) -> tuple[dict[int, Any], set[int]]:
+    """Bounded wait, after ``arm_abort``, until every room was either aborted or finished
+    and every aborted room was acked: (aborted rooms with their events, finished rooms)."""
+
+    def progress() -> tuple[dict[int, Any], set[int], set[int]]:
+        aborted = {e["room"]: e for e in decode.events("aborted") if e["room"] in rooms}
+        return aborted, {e["room"] for e in decode.events("acked")}, set(decode.done(rooms))
+
+    (aborted, _, finished), _ = poll_until(
+        progress, lambda v: (set(v[0]) | v[2]) >= rooms and set(v[0]) <= v[1], timeout
+    )
+    return aborted, finished
+
+
 # ======================================================================================
 # network namespaces
 # ======================================================================================

@@ -115,6 +115,12 @@ def server_env(
         raise ValueError(backend)
     if plugins:
         env["SGLANG_PLUGINS"] = ",".join(plugins)
+    if backend == "in-tree":
+        # SGLang's decode calls a prefill lost after 2 missed 3 s /health GETs, 5 s apart:
+        # on CI's 2 cores the in-tree TP 2 control's own ranks (8 transfer threads each, and
+        # UCX progress) once starved its prefill's bootstrap thread that long. The control
+        # checks the stage, not SGLang's liveness: give it 10 misses.
+        env["SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"] = "10"
     pythonpath = [str(SHIM_PLUGINS[p]) for p in plugins if p in SHIM_PLUGINS]
     pythonpath.append(str(SHIMS))
     if env.get("PYTHONPATH"):
