@@ -17,6 +17,7 @@ from helpers.faults import (
     FaultCluster,
     RankProc,
     aborted_and_acked,
+    changed_after_ack,
     first_chunk_pages,
     hold_mid_transfer,
     make_requests,
@@ -143,8 +144,7 @@ def test_aborted_host_rooms_are_released_after_the_ack_and_nothing_lands_later(
         aborted, _ = aborted_and_acked(d, rooms)
         assert aborted, "no host room could be aborted mid-transfer"
         p.wait_done(rooms, 20)
-        changed = d.call("check_unchanged", rooms=sorted(aborted))
-        touched = {room: v for room, v in changed.items() if v["changed"]}
+        touched = changed_after_ack(d, aborted)
         assert not touched, f"host pages changed after the ACK: {touched}\n{c.logs()}"
         st = d.call("state")
         assert not {k: v for k, v in st["tables"].items() if v and k.startswith("decode.")}

@@ -224,7 +224,12 @@ def test_rooms_aborted_mid_transfer_across_page_sizes_are_acked_after_their_writ
     """Staged, with SGLang's deferred release: the decode aborts each room as soon as bytes
     of its last chunk land (its third decode page on), the last chunk's pieces in flight. Every abort is acked, and no byte of an acked room changes after its ACK, even
     once the prefill has finished everything."""
-    from helpers.faults import aborted_and_acked, hold_mid_transfer, make_requests
+    from helpers.faults import (
+        aborted_and_acked,
+        changed_after_ack,
+        hold_mid_transfer,
+        make_requests,
+    )
 
     env = {
         "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1",
@@ -240,8 +245,7 @@ def test_rooms_aborted_mid_transfer_across_page_sizes_are_acked_after_their_writ
         aborted, finished = aborted_and_acked(d, rooms)
         assert aborted, "no room could be aborted mid-transfer"
         p.wait_done(rooms, 20)
-        changed = d.call("check_unchanged", rooms=sorted(aborted))
-        touched = {room: v for room, v in changed.items() if v["changed"]}
+        touched = changed_after_ack(d, aborted)
         assert not touched, f"bytes changed after the ACK: {touched}\n{c.logs()}"
         ok = d.done(finished)
         assert all(r["ok"] and not r["bad_pages"] for r in ok.values()), ok

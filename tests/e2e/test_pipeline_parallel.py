@@ -171,7 +171,7 @@ def test_rooms_aborted_mid_transfer_are_acked_by_every_stage_after_its_writes(
     of its last chunk land, both stages' last chunks in flight. Every abort is acked (SGLang
     waits for each stage's ACK), and no byte of an acked room changes after its ACK, even
     once both stages have finished everything."""
-    from helpers.faults import aborted_and_acked, first_chunk_pages
+    from helpers.faults import aborted_and_acked, changed_after_ack, first_chunk_pages
 
     env = {
         "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1",
@@ -192,8 +192,7 @@ def test_rooms_aborted_mid_transfer_are_acked_by_every_stage_after_its_writes(
         assert aborted, "no room could be aborted mid-transfer"
         for p in stages:
             p.wait_done(rooms, 20)
-        changed = d.call("check_unchanged", rooms=sorted(aborted))
-        touched = {room: v for room, v in changed.items() if v["changed"]}
+        touched = changed_after_ack(d, aborted)
         assert not touched, f"bytes changed after the ACK: {touched}\n{c.logs()}"
         ok = d.done(finished)
         assert all(r["ok"] and not r["bad_pages"] for r in ok.values()), ok

@@ -396,6 +396,13 @@ def aborted_and_acked(
     return aborted, finished
 
 
+def changed_after_ack(decode: RankProc, aborted: dict[int, Any]) -> dict[int, Any]:
+    """The acked rooms whose bytes changed since their ACK (``check_unchanged``, which then
+    releases them as SGLang does), with what changed."""
+    changed = decode.call("check_unchanged", rooms=sorted(aborted))
+    return {room: v for room, v in changed.items() if v["changed"]}
+
+
 # ======================================================================================
 # network namespaces
 # ======================================================================================
