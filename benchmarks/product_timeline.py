@@ -18,8 +18,11 @@ the fresh pair is left out), so the two figures can be put side by side step by 
       -> the bench's decode poll loop sees Success (the product's clock stops)
 
 The probes only wrap methods (no product file changes) and keep their stamps in memory;
-each rank process writes them to ``--out`` when it ends. ``--poll-sleep-us`` replaces the
-bench's 500 us poll-loop sleep (both sides), to measure what that loop costs.
+each rank process writes them to ``--out`` when it ends. ``--poll-wait-us`` sets the longest
+wait of the bench's poll loops between polls (500 us; 0 spins), ``--no-bell`` makes them
+sleep that long without waking on a status change (the loops before the bell), to measure
+what the loop itself costs. ``--switch-interval-us`` sets the rank processes' GIL switch
+interval (Python's default is 5 ms), to see what the threads' wait for the GIL costs.
 
     python3 benchmarks/product_timeline.py --mem VRAM --page-size 16 --requests 24 \
         --min-tokens 4096 --max-tokens 8192 --concurrency 1 --no-verify --label p16_c1
@@ -34,7 +37,6 @@ import json
 import os
 import sys
 import time
-import types
 from pathlib import Path
 from typing import Any
 
@@ -134,16 +136,22 @@ def _patch(cls: type, name: str, before: Any = None, after: Any = None) -> None:
     setattr(cls, name, wrapped)
 
 
-def _install(role: str, poll_sleep_us: float) -> None:
+def _install(role: str, poll_wait_us: float, bell: bool) -> None:
     import sgl_nixl_plugin.bench.rank as R
     from sgl_nixl_plugin.adapter import harness
 
-    if poll_sleep_us != 500:  # the bench's loops sleep 0.5 ms an iteration
-        real_sleep, s = time.sleep, poll_sleep_us * 1e-6
-        shim = types.ModuleType("time")
-        shim.__dict__.update(time.__dict__)
-        shim.sleep = lambda x: real_sleep(s if x == 0.0005 else x)  # type: ignore[attr-defined]
-        R.time = shim  # type: ignore[attr-defined]
+    wait_s = poll_wait_us * 1e-6
+    R._StatusBell.WAIT_S = wait_s  # the longest wait between two polls
+    if not bell:  # the loops as they were before the bell: a plain sleep between polls
+
+        class Sleeper:
+            def __init__(self, mgr: Any) -> None:
+                pass
+
+            def wait(self) -> None:
+                time.sleep(wait_s)
+
+        R._StatusBell = Sleeper  # type: ignore[misc, assignment]
 
     real_boot = harness.boot
 
@@ -245,8 +253,10 @@ def _probed_rank(spec: Any, out: Any, done: Any, release: Any, opts: dict[str, A
     """A rank process (as ``session._rank_process``) with the probes installed."""
     from sgl_nixl_plugin.bench.rank import rank_main
 
+    if opts["switch_us"]:  # how long a thread waits for the GIL before asking for it
+        sys.setswitchinterval(opts["switch_us"] * 1e-6)
     try:
-        _install(spec.role, opts["poll_sleep_us"])
+        _install(spec.role, opts["poll_wait_us"], opts["bell"])
     except Exception as exc:  # a probe must never stop the run
         print(f"[product_timeline] probes not installed: {exc!r}", file=sys.stderr)
     try:
@@ -403,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--label", default="run")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
-    p.add_argument("--poll-sleep-us", type=float, default=500.0)
+    p.add_argument("--poll-wait-us", type=float, default=500.0)
+    p.add_argument("--no-bell", action="store_true")
+    p.add_argument("--switch-interval-us", type=float, default=0.0)
     mine, rest = p.parse_known_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from sgl_nixl_plugin.bench import session as S
@@ -424,7 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in out_dir.glob("*.json"):
         f.unlink()
-    opts = {"out": str(out_dir), "poll_sleep_us": mine.poll_sleep_us}
+    opts = {
+        "out": str(out_dir),
+        "poll_wait_us": mine.poll_wait_us,
+        "bell": not mine.no_bell,
+        "switch_us": mine.switch_interval_us,
+    }
     sess = S.Session(cfg)
     for spec in sess.specs:  # Session.start, with the probed entry point
         proc = sess.ctx.Process(
@@ -438,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     result = sess.wait()
     s = summarize(result)
     print(
-        f"=== bench figures {mine.label} (poll sleep {mine.poll_sleep_us:g} us): "
+        f"=== bench figures {mine.label} (poll wait {mine.poll_wait_us:g} us, bell {not mine.no_bell}): "
         f"ok {s['ok']}/{s['requests']}, corrupt {s['corrupt_pages']}, per-request GB/s p50 "
         f"{s['per_request_gbps_p50']:.1f}, latency p50/p99 {s['latency_p50_ms']:.2f}/"
         f"{s['latency_p99_ms']:.2f} ms, first/steady {s['first_request_ms']:.2f}/"

@@ -73,9 +73,15 @@ for r in ${GAP_RUNS:-engine t_p16_c1 t_p1_c1}; do
   t_p1_c1) timeline t_p1_c1 90 --page-size 1 --requests 24 --concurrency 1 --no-verify ;;
   t_p16_c4) timeline t_p16_c4 90 --page-size 16 --requests 32 --concurrency 4 --no-verify ;;
   t_p1_c4) timeline t_p1_c4 90 --page-size 1 --requests 32 --concurrency 4 --no-verify ;;
-  # the bench's poll loops without their 0.5 ms sleep (spin: time.sleep(0))
-  s_p16_c1) timeline s_p16_c1 90 --page-size 16 --requests 24 --concurrency 1 --no-verify --poll-sleep-us 0 ;;
-  s_p1_c1) timeline s_p1_c1 90 --page-size 1 --requests 24 --concurrency 1 --no-verify --poll-sleep-us 0 ;;
+  # the bench's poll loops spinning (no wait between polls)
+  s_p16_c1) timeline s_p16_c1 90 --page-size 16 --requests 24 --concurrency 1 --no-verify --poll-wait-us 0 ;;
+  s_p1_c1) timeline s_p1_c1 90 --page-size 1 --requests 24 --concurrency 1 --no-verify --poll-wait-us 0 ;;
+  # the poll loops as before the status bell: a 0.5 ms sleep between polls, no wake-up
+  n_p16_c1) timeline n_p16_c1 90 --page-size 16 --requests 24 --concurrency 1 --no-verify --no-bell ;;
+  # the rank processes' GIL switch interval at 0.2 ms instead of Python's 5 ms
+  w_p16_c1) timeline w_p16_c1 90 --page-size 16 --requests 24 --concurrency 1 --no-verify --switch-interval-us 200 ;;
+  w_p1_c1) timeline w_p1_c1 90 --page-size 1 --requests 24 --concurrency 1 --no-verify --switch-interval-us 200 ;;
+  n_p1_c1) timeline n_p1_c1 90 --page-size 1 --requests 24 --concurrency 1 --no-verify --no-bell ;;
   *) echo "unknown run $r" | tee -a "$LOG" ;;
   esac
 done

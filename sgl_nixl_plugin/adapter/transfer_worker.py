@@ -202,6 +202,7 @@ class TransferWorker:
         if job is not None:
             rec.jobs.append(job)
             rec.path = "staging"
+            self._step_jobs(rec)  # first gather now, ahead of the aux and state WRITEs
         else:
             xfers.append(engine.write(link, group, src, dst))
         if chunk.is_last:
@@ -254,9 +255,13 @@ class TransferWorker:
         slot = min(staging.slot_bytes, peer.staging.slot_bytes) if staging and peer.staging else 0
         possible = bool(g and credits is not None and unit_len and unit_len <= slot and len(src))
         n = len(src)
+        mode = ctx.settings.transfer_path
         path = choose_path(
-            mode=ctx.settings.transfer_path,
-            descriptors=0 if not g else expected_descriptors(src, dst, g.num_regions, g.geometry),
+            mode=mode,
+            # the estimate counts runs over every page: only the cost rule needs it
+            descriptors=0
+            if not g or mode in ("direct", "staging")
+            else expected_descriptors(src, dst, g.num_regions, g.geometry),
             nbytes=0 if not g else g.unit_bytes * n,
             mem_kind=ctx.mem_kind,
             slot_bytes=staging.slot_bytes if staging is not None else 1,

@@ -13,7 +13,7 @@ import pytest
 
 from sgl_nixl_plugin.adapter.context import Identity, PrefillContext
 from sgl_nixl_plugin.adapter.prefill_control import PrefillControl
-from sgl_nixl_plugin.adapter.transfer_worker import TransferWorker
+from sgl_nixl_plugin.adapter.transfer_worker import StagedJob, TransferWorker
 from sgl_nixl_plugin.engine.agent import Xfer
 from sgl_nixl_plugin.protocol.peers import DecodePeer
 from sgl_nixl_plugin.protocol.prefill_rooms import Chunk, TransferInfo
@@ -291,3 +291,42 @@ def test_a_decode_prefix_must_end_on_a_prefill_page_across_page_sizes():
     assert _prefix_misaligned(128, (16, 64)) is None  # 2 decode pages, 8 prefill pages
     why = _prefix_misaligned(64, (48, 64))
     assert why is not None and "64 tokens" in why and "prefill page of 48" in why
+
+
+def test_a_staged_chunk_gathers_before_the_aux_and_state_writes_are_posted(side, monkeypatch):
+    """The gather starts the room's data path; the aux row and state WRITEs (NIXL calls
+    of ~0.1 ms each) are posted after its launch, not ahead of it."""
+    order: list[str] = []
+
+    class Send:
+        finished = in_flight = False
+        remote_free: list[int] = []
+        posted = settled = 0
+        error = None
+        needs_polling = True
+
+        def step(self) -> list:
+            order.append("gather")
+            return []
+
+        def abandon(self, reason: str = "") -> None:
+            pass
+
+    def staged(rec, info, peer, src, dst, first):
+        return StagedJob(Send(), info, peer, first, len(src), src, dst)  # type: ignore[arg-type]
+
+    real_write = side.engine.write
+
+    def write(link: Any, group: str, src: np.ndarray, dst: np.ndarray) -> Xfer:
+        order.append(group)
+        return real_write(link, group, src, dst)
+
+    monkeypatch.setattr(side.worker, "_staged", staged)
+    monkeypatch.setattr(side.engine, "write", write)
+    info = TransferInfo(ROOM, AGENT, "127.0.0.1", 7001, np.arange(4), 3, [np.array([5])], 1, False)
+    side.sg.add_destination(info)
+    side.ctx.rooms.open(ROOM)
+    side.sg.mark_ready(ROOM)
+    chunk = Chunk(ROOM, np.arange(4), slice(0, 4), True, 2, [np.array([6])])
+    side.worker._submit(chunk)
+    assert order == ["gather", "aux", "state0"], order
