@@ -207,9 +207,12 @@ class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
             "attn_tp_rank": (d.attn_tp_rank, d.attn_tp_size),
             "attn_cp_rank": (d.attn_cp_rank, d.attn_cp_size),
             "attn_dp_rank": (d.attn_dp_rank, d.attn_dp_size),
-            "system_dp_rank": (d.system_dp_rank, d.system_dp_size),
             "pp_rank": (d.pp_rank, d.pp_size),
         }
+        if d.system_dp_size > 1:
+            # at one system DP rank SGLang files ranks by attention DP rank and ignores
+            # this one, which DP attention sets to the attention DP rank
+            ranks["system_dp_rank"] = (d.system_dp_rank, d.system_dp_size)
         bad += [
             f"{k}={rank} is not smaller than its size {size}"
             for k, (rank, size) in ranks.items()

@@ -691,7 +691,7 @@ def test_bootstrap_readiness_counts_distinct_ranks(bootstrap: Bootstrap) -> None
     for bad, field_name in (
         (dict(attn_dp_rank=3), "attn_dp_rank"),
         (dict(pp_rank=1), "pp_rank"),
-        (dict(system_dp_rank=2), "system_dp_rank"),
+        (dict(system_dp_size=2, system_dp_rank=2), "system_dp_rank"),
     ):
         r = bootstrap.call("PUT", "/route", json.dumps(_route_body(attn_tp_rank=1, **bad)).encode())
         assert r.status_code == 400 and field_name in r.text, r.text
@@ -716,6 +716,30 @@ def test_bootstrap_readiness_counts_distinct_ranks(bootstrap: Bootstrap) -> None
     assert bootstrap.server._is_ready()
     r = bootstrap.call("GET", agg)
     assert r.status_code == 200 and r.json()["attn_tp_size"] == 2
+
+
+def test_bootstrap_files_dp_attention_ranks_as_sglang_sends_them(bootstrap: Bootstrap) -> None:
+    """``--enable-dp-attention --dp-size 2 --tp-size 2``: SGLang 0.5.23's prefill ranks
+    register with ``system_dp_size`` 1 and ``system_dp_rank`` = their attention DP rank (the
+    DP controller starts each scheduler with it). SGLang files them by attention DP rank;
+    refusing rank 1 left the decode waiting for a prefill that never got ready."""
+    agg = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+    for dp in (0, 1):
+        body = _route_body(
+            attn_tp_size=1,
+            attn_dp_size=2,
+            attn_dp_rank=dp,
+            system_dp_rank=dp,
+            rank_port=4242 + dp,
+        )
+        r = bootstrap.call("PUT", "/route", json.dumps(body).encode())
+        assert r.status_code == 200, r.text
+    assert bootstrap.server._is_ready()
+    r = bootstrap.call("GET", agg)
+    assert r.status_code == 200 and r.json()["dp_size"] == 2, r.text
+    for dp in (0, 1):
+        q = f"/route?prefill_dp_rank={dp}&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
+        assert bootstrap.call("GET", q).json()["rank_port"] == 4242 + dp
 
 
 # =========================================================================== ZMQ
