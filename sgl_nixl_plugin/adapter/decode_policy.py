@@ -39,8 +39,12 @@ class DecodePolicy:
         return rooms.endpoints_of(self.ctx.sglang.is_pending) | rooms.drain_endpoints()
 
     def known_endpoints(self) -> set[Endpoint]:
-        """Every prefill rank this decode has a cached route to (watched for loss)."""
-        return self.ctx.sglang.cached_prefill_endpoints()
+        """Every prefill rank this decode has a cached route to or a warm link with
+        (watched for loss; their sockets stay open)."""
+        known = self.ctx.sglang.cached_prefill_endpoints()
+        if self.ctx.warmup is not None:
+            known |= self.ctx.warmup.linked()
+        return known
 
     def fail_endpoint(self, endpoint: Endpoint, reason: str, disconnect: bool = True) -> list[int]:
         """Fail every unfinished room served by ``endpoint``, forget its cached route (and

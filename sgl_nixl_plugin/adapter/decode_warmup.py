@@ -88,6 +88,12 @@ class DecodeWarmup:
                 if w.endpoints and w.linked == w.endpoints and not w.stale
             )
 
+    def linked(self) -> set[Endpoint]:
+        """Prefill ranks a current warm-up linked: under DP attention that is every DP
+        group, while SGLang caches routes only to the groups its requests went to so far."""
+        with self._lock:
+            return {ep for w in self._by_addr.values() if not w.stale for ep in w.linked}
+
     def replied(self, endpoint: Endpoint, accepted: bool) -> None:
         """A prefill rank answered a registration (accepted or not: either ends the wait;
         so does a registration that could not be sent)."""

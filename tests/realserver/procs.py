@@ -33,13 +33,19 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+_SGLANG_RANDOM_PORTS = range(22000, 30000)
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct TCP ports on 127.0.0.1 that were free a moment ago, from below the
     kernel's ephemeral range: the servers bind many random ports of their own (ZMQ, NIXL,
     gloo) while they start, and one of those taking a port chosen here made a server fail
-    with "address already in use" (seen in CI)."""
+    with "address already in use" (seen in CI). SGLang's own random range (its scheduler's
+    TCPStore port, 22000-29999: ``get_free_port_below_ephemeral``) is left out: a server's
+    TCPStore once took the HTTP port chosen here for that server."""
     low = _ephemeral_low()
-    candidates = random.sample(range(max(1024, low - 12000), low), min(2000, low - 1024))
+    ours = [p for p in range(max(1024, low - 12000), low) if p not in _SGLANG_RANDOM_PORTS]
+    candidates = random.sample(ours, min(2000, len(ours)))
     with ExitStack() as stack:
         ports = []
         for port in candidates:

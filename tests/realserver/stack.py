@@ -53,10 +53,14 @@ KV_DAMAGE_MARKER = "realserver-shim: damaged received KV"
 #: SGLang's decode host pool on a CPU host (shims/host_pool_cpu), for host-receive runs.
 HOST_POOL_PLUGIN = "realserver_host_pool_cpu"
 HOST_POOL_MARKER = "realserver-shim: host pool KV loaded to device"
+#: DP attention on a CPU host (shims/dp_cpu), for the servers that run it.
+DP_CPU_PLUGIN = "realserver_dp_cpu"
+DP_CPU_MARKER = "realserver-shim: DP attention on CPU"
 SHIM_PLUGINS = {
     INTREE_DRAM_PLUGIN: SHIMS / "intree_dram",
     KV_DAMAGE_PLUGIN: SHIMS / "kv_damage",
     HOST_POOL_PLUGIN: SHIMS / "host_pool_cpu",
+    DP_CPU_PLUGIN: SHIMS / "dp_cpu",
 }
 
 SERVER_READY_S = 240 * TIMEOUT_SCALE
@@ -149,6 +153,17 @@ def server_env(
     return env
 
 
+def dp_args(dp: int) -> list[str]:
+    """DP attention over ``dp`` ranks. SGLang divides ``--chunked-prefill-size`` by the
+    attention DP size, so it is scaled up to keep every server's chunk (same numerics)."""
+    if dp <= 1:
+        return []
+    return [
+        "--enable-dp-attention", "--dp-size", str(dp),
+        "--chunked-prefill-size", str(CHUNKED_PREFILL * dp),
+    ]  # fmt: skip
+
+
 def server_argv(
     model: Path, port: int, tp: int, page: int, extra: Sequence[str], pp: int = 1
 ) -> list[str]:
@@ -193,9 +208,18 @@ class PDStack:
     decode_page: int = 0  # the decode's page size (the prefill's ``page`` when equal)
     prefill_pp: int = 1  # pipeline stages of each server
     decode_pp: int = 1
+    prefill_dp: int = 1  # attention DP ranks of each server (1: no DP attention)
+    decode_dp: int = 1
 
     def __post_init__(self) -> None:
         self.decode_page = self.decode_page or self.page
+
+    @property
+    def links_per_decode_rank(self) -> int:
+        """Prefill ranks each decode rank links (and warms) at first contact: every stage
+        of a PP 1 decode, every DP group, and every attention TP rank holding its heads."""
+        attn_tp = max(1, (self.tp // self.prefill_dp) // (self.tp // self.decode_dp))
+        return (self.prefill_pp // self.decode_pp) * self.prefill_dp * attn_tp
 
     @property
     def url(self) -> str:
@@ -205,9 +229,12 @@ class PDStack:
 class Launcher:
     """Starts servers into one :class:`ProcessGroup` (one per test module)."""
 
-    def __init__(self, group: ProcessGroup, model: Path, tmp: Path) -> None:
+    def __init__(
+        self, group: ProcessGroup, model: Path, tmp: Path, dp_model: Path | None = None
+    ) -> None:
         self.group = group
         self.model = model
+        self.dp_model = dp_model or model  # a model SGLang runs under DP attention
         self.tmp = tmp
 
     def _server(
@@ -219,9 +246,10 @@ class Launcher:
         extra: Sequence[str] = (),
         plugins: Sequence[str] = (),
         pp: int = 1,
+        model: Path | None = None,
     ) -> Server:
         (port,) = free_ports(1)
-        argv = server_argv(self.model, port, tp, page, extra, pp)
+        argv = server_argv(model or self.model, port, tp, page, extra, pp)
         env = server_env(backend, tp * pp, self.tmp, plugins)
         return Server(self.group.start(name, argv, env, PROCESS_DEADLINE_S), port)
 
@@ -230,8 +258,10 @@ class Launcher:
             others = [o.proc for o in servers if o is not s]
             s.ready_s = wait_http_ok(s.url + path, s.proc, timeout_s, others)
 
-    def reference(self, tp: int, page: int = 1) -> Server:
-        server = self._server(f"reference-tp{tp}", "reference", tp, page)
+    def reference(self, tp: int, page: int = 1, dp_model: bool = False) -> Server:
+        model = self.dp_model if dp_model else self.model
+        name = f"reference-tp{tp}" + ("-dp-model" if dp_model else "")
+        server = self._server(name, "reference", tp, page, model=model)
         try:
             self._await([server], "/health", SERVER_READY_S)
         except BaseException:
@@ -250,6 +280,8 @@ class Launcher:
         decode_page: int | None = None,
         prefill_pp: int = 1,
         decode_pp: int = 1,
+        prefill_dp: int = 1,
+        decode_dp: int = 1,
     ) -> PDStack:
         """Prefill + decode (started together) and the router; ``decode_plugins``: extra
         test-only SGLang plugins for the decode server (the negative control); ``extra``:
@@ -257,7 +289,9 @@ class Launcher:
         into its host pool (threshold 0: SGLang's ``host_pool`` backup, on a CPU host with
         the ``host_pool_cpu`` shim) instead of its device pool; ``decode_page``: the
         decode's ``--page-size`` where it differs from the prefill's ``page``;
-        ``prefill_pp``, ``decode_pp``: each server's ``--pp-size``."""
+        ``prefill_pp``, ``decode_pp``: each server's ``--pp-size``; ``prefill_dp``,
+        ``decode_dp``: each server's attention DP ranks (both servers then load the DP
+        model, and the servers with DP attention the ``dp_cpu`` shim)."""
         if host_receive:
             decode_plugins = [*decode_plugins, HOST_POOL_PLUGIN]
             decode_args = ["--disaggregation-decode-host-receive-threshold", "0"]
@@ -267,6 +301,13 @@ class Launcher:
         tag = f"{backend}-tp{tp}-p{page}" + (f"-d{dpage}" if dpage != page else "")
         if prefill_pp > 1:
             tag += f"-pp{prefill_pp}to{decode_pp}"
+        dp = max(prefill_dp, decode_dp) > 1
+        if dp:
+            tag += f"-dp{prefill_dp}to{decode_dp}"
+        model = self.dp_model if dp else self.model
+        prefill_plugins = [DP_CPU_PLUGIN] if prefill_dp > 1 else []
+        if decode_dp > 1:
+            decode_plugins = [*decode_plugins, DP_CPU_PLUGIN]
         tag += "".join(f"-{p}" for p in decode_plugins)
         started = time.monotonic()
         bootstrap, decode_bootstrap = free_ports(2)
@@ -274,17 +315,21 @@ class Launcher:
             f"prefill-{tag}", backend, tp, page,
             ["--disaggregation-mode", "prefill",
              "--disaggregation-transfer-backend", "nixl",
-             "--disaggregation-bootstrap-port", str(bootstrap), *extra],
+             "--disaggregation-bootstrap-port", str(bootstrap), *dp_args(prefill_dp),
+             *extra],
+            plugins=prefill_plugins,
             pp=prefill_pp,
+            model=model,
         )  # fmt: skip
         decode = self._server(
             f"decode-{tag}", backend, tp, dpage,
             ["--disaggregation-mode", "decode",
              "--disaggregation-transfer-backend", "nixl",
              "--disaggregation-bootstrap-port", str(decode_bootstrap),
-             *decode_args, *extra],
+             *decode_args, *dp_args(decode_dp), *extra],
             plugins=decode_plugins,
             pp=decode_pp,
+            model=model,
         )  # fmt: skip
         (router_port,) = free_ports(1)
         router_argv = [
@@ -314,7 +359,8 @@ class Launcher:
         return PDStack(
             backend, tp, page, prefill, decode, router, bootstrap,
             startup_s=time.monotonic() - started, procs=procs, decode_page=dpage,
-            prefill_pp=prefill_pp, decode_pp=decode_pp,
+            prefill_pp=prefill_pp, decode_pp=decode_pp, prefill_dp=prefill_dp,
+            decode_dp=decode_dp,
         )  # fmt: skip
 
     def stop(self, procs: Sequence[ManagedProcess]) -> None:

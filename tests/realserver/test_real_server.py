@@ -43,6 +43,7 @@ from sgl_nixl_plugin import __version__, compat
 from .procs import ProcessGroup
 from .stack import (
     CHUNKED_PREFILL,
+    DP_CPU_MARKER,
     HOST_POOL_MARKER,
     INTREE_DRAM_MARKER,
     INTREE_DRAM_PLUGIN,
@@ -56,7 +57,7 @@ from .stack import (
     logs_on_failure,
     server_env,
 )
-from .tiny_model import build_tiny_llama
+from .tiny_model import build_tiny_llama, build_tiny_qwen3
 from .workload import make_requests, mismatches, run_concurrent, run_sequential
 
 pytestmark = pytest.mark.realserver
@@ -86,13 +87,20 @@ class Config:
     decode_page: int | None = None  # the decode's page size, where it differs
     pp: int = 1  # the prefill's pipeline stages
     decode_pp: int = 1  # the decode's: 1 or ``pp``
+    prefill_dp: int = 1  # attention DP ranks (--enable-dp-attention --dp-size N)
+    decode_dp: int = 1
+
+    @property
+    def dp(self) -> bool:
+        return max(self.prefill_dp, self.decode_dp) > 1
 
     @property
     def id(self) -> str:
         tp = f"-tp{self.tp}" if self.tp > 1 else ""
         pp = f"-pp{self.pp}to{self.decode_pp}" if self.pp > 1 else ""
+        dp = f"-dp{self.prefill_dp}to{self.decode_dp}" if self.dp else ""
         page = f"p{self.page}" + (f"-d{self.decode_page}" if self.decode_page else "")
-        return f"{self.backend}-{page}{tp}{pp}" + ("-host" if self.host else "")
+        return f"{self.backend}-{page}{tp}{pp}{dp}" + ("-host" if self.host else "")
 
 
 #: Page sizes a real server can run on a CPU. SGLang 0.5.21 allocates pages of more than one
@@ -109,6 +117,13 @@ CPU_PAGE_SIZES = (
 #: minutes to start on CI's 2 cores, and the multi-process tests cover 0.5.21's PP path.
 PP_ON_CPU = CPU_PAGE_SIZES != (1,)
 
+#: DP attention runs on the newest release only (and the same releases as PP), and only
+#: when asked (``SGL_NIXL_REALSERVER_DP=1``): a DP pair is four schedulers, two DP
+#: controllers and the router on the host's cores, and on 2 cores a prefill rank once went
+#: silent for the decode's 5 s liveness bound while it did its first WRITE (the decode
+#: failed its requests as from a dead prefill). Runs by hand pass (docs/benchmarks.md).
+DP_ON_CPU = PP_ON_CPU and os.environ.get("SGL_NIXL_REALSERVER_DP") == "1"
+
 #: SGLang 0.5.21's host pools allocate and copy through CUDA only (the host_pool_cpu shim
 #: stands in for 0.5.22's and later layouts): its stage runs no host-receive config.
 HOST_RECEIVE_ON_CPU = CPU_PAGE_SIZES != (1,)
@@ -122,6 +137,8 @@ def _runnable(configs: tuple[Config, ...]) -> tuple[Config, ...]:
         if c.host and not HOST_RECEIVE_ON_CPU:
             continue
         if c.pp > 1 and not PP_ON_CPU:
+            continue
+        if c.dp and not DP_ON_CPU:
             continue
         if c.decode_page and not {c.page, c.decode_page} <= set(CPU_PAGE_SIZES):
             continue  # a page-size difference needs paged allocation on both servers
@@ -148,6 +165,12 @@ CONFIGS = _runnable(
         # larger layer list for a speculative draft and refuses DRAM there)
         Config("plugin", 16, pp=2, decode_pp=1, batches=("concurrent",)),
         Config("plugin", 16, pp=2, decode_pp=2, batches=("concurrent",)),
+        # DP attention (both servers TP 2, two attention DP ranks of attention TP 1, on the
+        # tiny model as Qwen3: SGLang's Llama has no DP attention): a DeepSeek-style decode
+        # behind a TP prefill (each decode rank reads its heads from both prefill ranks), and
+        # a DP prefill too (the decode picks the prefill DP rank from the bootstrap room)
+        Config("plugin", 16, tp=2, decode_dp=2, batches=("concurrent",)),
+        Config("plugin", 16, tp=2, prefill_dp=2, decode_dp=2, batches=("concurrent",)),
         # The in-tree backend is several times slower here (its 8 prefill transfer threads and
         # UCX progress share 2 cores with 4 TP ranks), so its TP 2 control sends only the
         # concurrent batch: every prompt still, the sequential ones included.
@@ -194,21 +217,23 @@ def group(rs_tmp: Path) -> Iterator[ProcessGroup]:
 @pytest.fixture(scope="module")
 def launcher(group: ProcessGroup, rs_tmp: Path) -> Launcher:
     model = build_tiny_llama(rs_tmp / "tiny-llama")
-    return Launcher(group, model, rs_tmp)
+    dp_model = build_tiny_qwen3(rs_tmp / "tiny-qwen3") if any(c.dp for c in CONFIGS) else None
+    return Launcher(group, model, rs_tmp, dp_model)
 
 
 @pytest.fixture(scope="module")
 def reference_outputs(
     launcher: Launcher, group: ProcessGroup
-) -> Callable[[int], dict[str, list[int]]]:
-    """``get(tp)``: the reference server's output ids per request name (started once per tp)."""
-    cache: dict[int, dict[str, list[int]]] = {}
+) -> Callable[..., dict[str, list[int]]]:
+    """``get(tp, dp_model=False)``: the reference server's output ids per request name
+    (started once per tp and model; the DP model's reference runs without DP attention)."""
+    cache: dict[tuple[int, bool], dict[str, list[int]]] = {}
 
-    def get(tp: int) -> dict[str, list[int]]:
-        if tp in cache:
-            return cache[tp]
+    def get(tp: int, dp_model: bool = False) -> dict[str, list[int]]:
+        if (tp, dp_model) in cache:
+            return cache[(tp, dp_model)]
         with logs_on_failure(group):
-            server = launcher.reference(tp)
+            server = launcher.reference(tp, dp_model=dp_model)
             try:
                 wanted = list({r.name: r for r in CONCURRENT}.values())
                 results = run_sequential(server.url, wanted, REQUEST_TIMEOUT_S)
@@ -226,7 +251,7 @@ def reference_outputs(
                 )
             finally:
                 launcher.stop([server.proc])
-        cache[tp] = expected
+        cache[(tp, dp_model)] = expected
         return expected
 
     return get
@@ -259,15 +284,18 @@ def _log_problems(stack: PDStack) -> list[str]:
                 problems.append(f"{role} log: the KV pool was not registered as DRAM on every rank")
             if INTREE_DRAM_MARKER in log:
                 problems.append(f"{role} log: the plugin run loaded the in-tree control shim")
-            # the warm-up at first contact: each decode rank registered with its prefill rank
-            # before its first request, and that prefill rank WRITEd its padding page
-            # (a PP 1 decode rank registers with every prefill stage)
-            n = stack.prefill_pp // stack.decode_pp
+            # the warm-up at first contact: each decode rank registered with its prefill
+            # ranks before its first request (every stage of a PP 1 decode, every DP group,
+            # every attention TP rank holding its heads), and each of them WRITEd its
+            # padding page once per decode rank that registered
+            n = stack.links_per_decode_rank
+            decode_ranks = stack.tp * stack.decode_pp
             warm = f"{n} of {n} ranks linked and warmed" if role == "decode" else ", warm-up WRITE "
-            if _count(log, warm) != tp:
+            expected = decode_ranks if role == "decode" else decode_ranks * n
+            if _count(log, warm) != expected:
                 why = [ln for ln in log.splitlines() if "warm-up" in ln or "connect" in ln]
                 problems.append(
-                    f"{role} log: {warm!r} {_count(log, warm)} times, expected {tp}; its "
+                    f"{role} log: {warm!r} {_count(log, warm)} times, expected {expected}; its "
                     "warm-up and connection lines:\n  " + "\n  ".join(why[-8:])
                 )
             if role == "prefill" and stack.prefill_pp > 1:
@@ -281,6 +309,16 @@ def _log_problems(stack: PDStack) -> list[str]:
                 paired = f"pages of {stack.page} tokens into pages of {stack.decode_page}"
                 if _count(log, paired) != tp:
                     problems.append(f"prefill log: {paired!r} {_count(log, paired)} times")
+            dp = stack.prefill_dp if role == "prefill" else stack.decode_dp
+            if dp > 1:
+                # DP attention really ran: the shim loaded, and every DP rank did batches
+                kind = "Prefill" if role == "prefill" else "Decode"
+                idle = [r for r in range(dp) if f"DP{r} TP{r}] {kind} batch" not in log]
+                if DP_CPU_MARKER not in log or idle:
+                    problems.append(
+                        f"{role} log: DP shim marker {'seen' if DP_CPU_MARKER in log else 'absent'}"
+                        f", no {kind.lower()} batch on DP ranks {idle}"
+                    )
         else:
             if "sgl-nixl" in log:
                 line = next(ln for ln in log.splitlines() if "sgl-nixl" in ln)
@@ -374,7 +412,7 @@ def test_pd_output_ids_match_reference(
     reference_outputs: Callable[[int], dict[str, list[int]]],
     record_property: Callable[[str, object], None],
 ) -> None:
-    expected = reference_outputs(cfg.tp)
+    expected = reference_outputs(cfg.tp, dp_model=cfg.dp)
     with logs_on_failure(group):
         extra = ["--enable-metrics"] if cfg.metrics else []
         stack = launcher.pd(
@@ -386,6 +424,8 @@ def test_pd_output_ids_match_reference(
             decode_page=cfg.decode_page,
             prefill_pp=cfg.pp,
             decode_pp=cfg.decode_pp,
+            prefill_dp=cfg.prefill_dp,
+            decode_dp=cfg.decode_dp,
         )
         try:
             record_property("pd_startup_s", round(stack.startup_s, 1))

@@ -1,4 +1,4 @@
-"""A tiny random-weight Llama written at test time (nothing comes from any model hub).
+"""A tiny random-weight Llama (or Qwen3) written at test time (nothing comes from any model hub).
 
 2 decoder layers, 2 KV heads (4 query heads), hidden size 64, float32, weights drawn from
 a fixed seed, and a byte-level BPE tokenizer trained here on a fixed synthetic corpus with
@@ -61,10 +61,22 @@ def _train_tokenizer():
 
 def build_tiny_llama(out_dir: str | os.PathLike) -> Path:
     """Write config, weights and tokenizer to ``out_dir`` and return it as a Path."""
+    return _build(out_dir, "llama")
+
+
+def build_tiny_qwen3(out_dir: str | os.PathLike) -> Path:
+    """The same model as Qwen3, for DP attention: SGLang's Qwen3 shards attention over the
+    attention TP group and gathers the DP ranks' tokens around its MLP; its Llama splits
+    heads over the whole TP group and has no DP gather (wrong tokens under DP attention)."""
+    return _build(out_dir, "qwen3")
+
+
+def _build(out_dir: str | os.PathLike, arch: str) -> Path:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    import transformers
+    from transformers import PreTrainedTokenizerFast
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -76,7 +88,11 @@ def build_tiny_llama(out_dir: str | os.PathLike) -> Path:
     fast.model_max_length = MAX_POSITIONS
     fast.save_pretrained(out)
 
-    config = LlamaConfig(
+    config_cls, model_cls, extra = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": False}),
+    }[arch]
+    config = getattr(transformers, config_cls)(
         vocab_size=VOCAB_SIZE,
         hidden_size=HIDDEN,
         intermediate_size=4 * HIDDEN,
@@ -94,9 +110,10 @@ def build_tiny_llama(out_dir: str | os.PathLike) -> Path:
         # A wide init spreads the logits, so greedy argmax is far from ties.
         initializer_range=0.2,
         torch_dtype="float32",
+        **extra,
     )
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
     model.save_pretrained(out, safe_serialization=True)
     return out
 

@@ -115,3 +115,32 @@ def test_a_prefill_beyond_the_rank_bound_is_left_to_the_requests(monkeypatch):
 def test_an_unknown_prefill_is_not_ready():
     w = DecodeWarmup(lambda ep, f: True, lambda: [], lambda a: None, None)
     assert not w.ready(ADDR)
+
+
+def test_the_ranks_a_warm_up_linked_are_known_until_one_is_lost(monkeypatch):
+    """Under DP attention the warm-up links every prefill DP group before SGLang has a
+    route to more than one: the decode keeps (and watches) the other links, instead of
+    closing them as sockets no route leads to."""
+    h = Harness(monkeypatch, _info([0], dp=2))
+    h.start(expected=2)
+    assert h.warmup.linked() == set()
+    h.warmup.replied(("127.0.0.1", 9000), True)
+    h.warmup.replied(("127.0.0.1", 9010), True)
+    assert h.warmup.linked() == {("127.0.0.1", 9000), ("127.0.0.1", 9010)}
+    h.warmup.forget(("127.0.0.1", 9010))  # a lost rank: the warm-up is stale, warmed again
+    assert h.warmup.linked() == set()
+
+
+def test_a_decode_knows_the_warm_links_besides_sglangs_routes():
+    from sgl_nixl_plugin.adapter.decode_policy import DecodePolicy
+
+    routes = {("127.0.0.1", 9000)}
+    warm = {("127.0.0.1", 9000), ("127.0.0.1", 9010)}
+    ctx = SimpleNamespace(
+        sglang=SimpleNamespace(cached_prefill_endpoints=lambda: set(routes)),
+        warmup=SimpleNamespace(linked=lambda: set(warm)),
+    )
+    policy = DecodePolicy(ctx)  # type: ignore[arg-type]
+    assert policy.known_endpoints() == warm
+    ctx.warmup = None
+    assert policy.known_endpoints() == routes
