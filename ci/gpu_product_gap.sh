@@ -7,6 +7,8 @@
 #
 #     GAP_RUNS="engine t_p16_c1 t_p1_c1" bash ci/gpu_product_gap.sh      # no MPS
 #     MPS=1 GAP_RUNS="engine t_p16_c1" bash ci/gpu_product_gap.sh        # both under one MPS server
+#     GAP_TAG=label ...                  # names this invocation's runs (default: nomps / mps),
+#                                        # for several invocations with different env in one call
 #
 # Needs /tmp/site with nixl and SGLang (ci/gpu_e2e.sh's two-call install: .whl in one call,
 # .sglwhl in the next; either folder found here is installed first). Outputs go to $OUT.
@@ -37,6 +39,7 @@ if [[ ${MPS:-0} == 1 ]]; then
   trap 'echo quit | nvidia-cuda-mps-control' EXIT
   TAG=mps
 fi
+TAG=${GAP_TAG:-$TAG}
 echo "=== $TAG, $(nvidia-smi -L | head -1), tree $(git rev-parse --short HEAD 2>/dev/null) $(date -u)" | tee -a "$LOG"
 left() { echo $((BUDGET - (SECONDS - T0))); }
 SIZES="--mem VRAM --prefill-gpu 0 --decode-gpu 0 --min-tokens 4096 --max-tokens 8192"
