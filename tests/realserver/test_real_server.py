@@ -121,7 +121,8 @@ PP_ON_CPU = CPU_PAGE_SIZES != (1,)
 #: when asked (``SGL_NIXL_REALSERVER_DP=1``): a DP pair is four schedulers, two DP
 #: controllers and the router on the host's cores, and on 2 cores a prefill rank once went
 #: silent for the decode's 5 s liveness bound while it did its first WRITE (the decode
-#: failed its requests as from a dead prefill). Runs by hand pass (docs/benchmarks.md).
+#: failed its requests as from a dead prefill). By hand:
+#: ``SGL_NIXL_REALSERVER_DP=1 pytest tests/realserver -k dp``.
 DP_ON_CPU = PP_ON_CPU and os.environ.get("SGL_NIXL_REALSERVER_DP") == "1"
 
 #: SGLang 0.5.21's host pools allocate and copy through CUDA only (the host_pool_cpu shim
