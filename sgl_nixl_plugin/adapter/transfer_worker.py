@@ -88,7 +88,10 @@ class TransferWorker:
 
     def __init__(self, ctx: PrefillContext, index: int) -> None:
         self.ctx = ctx
-        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # queue.Queue, not SimpleQueue: CPython 3.7-3.12's SimpleQueue.get(timeout) waits
+        # forever once its deadline passes inside its wait loop (a preempted worker slept
+        # until the next put while its room waited to post)
+        self.queue: queue.Queue[Any] = queue.Queue()
         self.active: dict[int, PrefillRoom] = {}  # the rooms this worker claimed
         self._backoff = self.MIN_BACKOFF_S
         self._stop = threading.Event()
