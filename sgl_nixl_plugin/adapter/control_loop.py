@@ -45,6 +45,9 @@ class ControlLoop:
     def on_lost(self, endpoint: Endpoint, why: str) -> None:
         raise NotImplementedError
 
+    def on_batch_end(self) -> None:
+        """Runs after every batch of frames read from the socket."""
+
     def check_liveness(self) -> None:
         """Sync the watch with the peers that matter now and ping them (throttled by ``due``)."""
         raise NotImplementedError
@@ -73,6 +76,7 @@ class ControlLoop:
                     if ready is sock:
                         for frames in drain(sock):  # the whole backlog: a pong may be in it
                             self.on_frames(frames)
+                        self.on_batch_end()
                     elif self.watch.owns(ready):
                         for endpoint, why in self.watch.on_monitor(ready):
                             self.watch.forget(endpoint)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 
 from sgl_nixl_plugin.adapter.context import PrefillContext
 from sgl_nixl_plugin.adapter.control_loop import ControlLoop
+from sgl_nixl_plugin.adapter.liveness import drain
 from sgl_nixl_plugin.adapter.memory import decode_heads, kv_geometry, remote_memory
 from sgl_nixl_plugin.adapter.pipeline_stages import DecodeStage, PrefillStage, decode_kv_window
 from sgl_nixl_plugin.engine.agent import TransferError
@@ -70,11 +72,20 @@ class PrefillControl(ControlLoop):
         self.recall = recall
         self._pending: dict[tuple[str, int], str] = {}
         self._accepted: dict[tuple[str, int], str] = {}
+        self._held: deque[Any] = deque()  # read while a warm-up WRITE was waited for
 
     def on_frames(self, frames: list[Any]) -> None:
         decoded = self.ctx.codec.decode(frames)
-        if decoded is None:
-            return
+        if decoded is not None:
+            self._handle(decoded)
+
+    def on_batch_end(self) -> None:
+        """Handle what arrived during a warm-up, in arrival order (after the batch that
+        held the registration: those frames came first)."""
+        while self._held:
+            self._handle(self._held.popleft())
+
+    def _handle(self, decoded: Any) -> None:
         try:
             self._dispatch(decoded.msg, decoded.kv, decoded.state)
         except Exception:
@@ -82,6 +93,18 @@ class PrefillControl(ControlLoop):
                 "sgl-nixl: error handling %s; the control thread goes on",
                 type(decoded.msg).__name__,
             )
+
+    def _between_warm_polls(self) -> None:
+        """A warm-up WRITE can take seconds on a loaded host, and decodes judge this rank
+        by its pongs: answer pings (and note pongs) now, hold everything else for later."""
+        for frames in drain(self.sock):
+            decoded = self.ctx.codec.decode(frames)
+            if decoded is None:
+                continue
+            if isinstance(decoded.msg, Ping | Pong):
+                self._handle(decoded)
+            else:
+                self._held.append(decoded)
 
     def on_lost(self, endpoint: tuple[str, int], why: str) -> None:
         self._lost(endpoint, why, drop=True)  # the process is gone: drop its NIXL peer too
@@ -321,9 +344,10 @@ class PrefillControl(ControlLoop):
         engine, local = self.ctx.engine, self.ctx.staging
         bound = self.ctx.settings.warmup_timeout_s
         try:
-            ms = engine.warm(link, bound) * 1e3
+            idle = self._between_warm_polls
+            ms = engine.warm(link, bound, idle) * 1e3
             if local is not None and staging is not None:
-                ms += engine.warm_staging(link, local, staging, bound) * 1e3
+                ms += engine.warm_staging(link, local, staging, bound, idle) * 1e3
             self.ctx.warmups += 1
             return ms
         except TransferError as exc:
