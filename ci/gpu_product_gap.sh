@@ -9,6 +9,8 @@
 #     MPS=1 GAP_RUNS="engine t_p16_c1" bash ci/gpu_product_gap.sh        # both under one MPS server
 #     GAP_TAG=label ...                  # names this invocation's runs (default: nomps / mps),
 #                                        # for several invocations with different env in one call
+#     ENGINE_ARGS="--slot-mib 512" SGLANG_NIXL_PLUGIN_STAGING_PIECE_BYTES=536870912 ...
+#                                        # both sides at another staging slot size
 #
 # Needs /tmp/site with nixl and SGLang (ci/gpu_e2e.sh's two-call install: .whl in one call,
 # .sglwhl in the next; either folder found here is installed first). Outputs go to $OUT.
@@ -63,7 +65,7 @@ for r in ${GAP_RUNS:-engine t_p16_c1 t_p1_c1}; do
     echo "=== ${TAG}_engine (+$((SECONDS - T0))s): bench_staging.py, one GPU" | tee -a "$LOG"
     timeout -k 10 170 python3 benchmarks/bench_staging.py --mem VRAM --send-gpu 0 --recv-gpu 0 \
       --page-size 1 16 --rows ours --requests 16 --min-tokens 4096 --max-tokens 8192 \
-      --budget-s "${ENGINE_BUDGET_S:-110}" --json "$OUT/${TAG}_engine.json" \
+      --budget-s "${ENGINE_BUDGET_S:-110}" --json "$OUT/${TAG}_engine.json" ${ENGINE_ARGS:-} \
       >"$OUT/${TAG}_engine.txt" 2>"$OUT/err_${TAG}_engine.txt"
     echo "exit $?" | tee -a "$LOG"
     sed -n '/^bench_staging summary/,$p' "$OUT/${TAG}_engine.txt" | tee -a "$LOG" ;;
