@@ -63,3 +63,29 @@ def test_dp_attention_arrives_byte_exact(
     if pdp > 1 and ddp > 1:  # each decode DP group took rooms of both prefill DP groups
         for g, got in dgroups.items():
             assert {room % pdp for room in got} == set(range(pdp)), (g, got)
+    if env is STAGED:  # the scattered rooms really went through the staging buffers
+        paths = {x["path"] for r in res.prefill.values() for x in r["results"].values()}
+        assert "staging" in paths, paths
+
+
+def test_rooms_split_over_dp_groups_as_sglang_routes_them() -> None:
+    """Without a session: a prefill DP group gets the rooms ``room % dp`` names, a decode's
+    groups share its requests round robin; both partitions cover every room once, and the
+    ranks of one group share its rooms. DP sizes SGLang would not run are refused."""
+    from sgl_nixl_plugin.bench.session import SessionConfig
+
+    w = workload("tiny", 16, requests=12, state=False)
+    rooms = [r.room for r in w.make_requests()]
+    cfg = SessionConfig(w, prefill_tp=4, prefill_dp=2, decode_tp=2, decode_dp=2)
+    prefill = [cfg.rooms_of("prefill", 0, rank) for rank in range(4)]
+    assert prefill[0] == prefill[1] == {r for r in rooms if r % 2 == 0}
+    assert prefill[2] == prefill[3] == {r for r in rooms if r % 2 == 1}
+    decode = [cfg.rooms_of("decode", 0, rank) for rank in range(2)]
+    assert decode == [set(rooms[0::2]), set(rooms[1::2])]
+    for bad in (
+        dict(prefill_tp=2, prefill_dp=3),
+        dict(decode_tp=2, decode_dp=0),
+        dict(decode_tp=2, decode_dp=2, decode_pp=2),
+    ):
+        with pytest.raises(ValueError):
+            SessionConfig(w, **bad)
