@@ -28,6 +28,7 @@ def boot(
     gpu_id: int,
     pp_size: int = 1,
     pp_group: Any = None,
+    dp_size: int = 1,
 ) -> tuple[Any, dict[str, Any]]:
     """Publish SGLang's runtime context for one scheduler rank, load SGLang's plugins, and
     fetch the ``nixl`` transfer backend's classes.
@@ -36,11 +37,34 @@ def boot(
     on 127.0.0.1, transfer backend ``nixl``) and one class per :data:`KV_CLASS_KINDS` entry,
     as ``get_kv_class`` answers after ``load_plugins()`` (our plugin's, or SGLang's in-tree
     backend's when ``SGLANG_PLUGINS`` leaves the plugin out).
+
+    ``dp_size`` > 1: DP attention (``--enable-dp-attention --dp-size dp_size``, which SGLang
+    0.5.23 resolves to ``--attn-dp-size``), ``tp_size // dp_size`` ranks per attention DP
+    group. The rank is published as SGLang's DP controller launches it under DP attention
+    (``SpawnRanks.dp_rank`` = its attention DP rank), and ``load_balance_method`` is the one
+    SGLang resolves for a PD server (``follow_bootstrap_room`` on a prefill, ``round_robin``
+    on a decode): with the dummy model the resolution stops before that step, which would
+    leave ``auto`` in the bootstrap registration.
     """
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
 
+    dp_args: dict[str, Any] = {}
+    dp_rank = None
+    if dp_size > 1:
+        if tp_size % dp_size:
+            raise ValueError(f"TP {tp_size} does not split into {dp_size} attention DP groups")
+        fields = getattr(ServerArgs, "__dataclass_fields__", {})
+        if "attn_dp_size" in fields:  # SGLang 0.5.23+: the deprecated pair resolves to it
+            dp_args["attn_dp_size"] = dp_size
+        else:
+            dp_args.update(enable_dp_attention=True, dp_size=dp_size)
+        dp_args["load_balance_method"] = (
+            "follow_bootstrap_room" if disaggregation_mode == "prefill" else "round_robin"
+        )
+        # the DP controller's compute_dp_attention_world_info: tp_rank // attention TP size
+        dp_rank = (world_rank % tp_size) // (tp_size // dp_size)
     server_args = ServerArgs(
         model_path="dummy",
         device=device,
@@ -53,8 +77,13 @@ def boot(
         disaggregation_bootstrap_port=bootstrap_port,
         kv_cache_dtype=kv_cache_dtype,
         pp_size=pp_size,
+        **dp_args,
     )
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, gpu_id=gpu_id))
+    publish(
+        server_args,
+        role="scheduler",
+        ranks=SpawnRanks(world_rank=world_rank, dp_rank=dp_rank, gpu_id=gpu_id),
+    )
     get_parallel().override_permanently(pp_group=pp_group)
     load_plugins()  # before reading get_kv_class: the plugin rebinds it
     from sglang.srt.disaggregation import utils
@@ -66,6 +95,34 @@ def boot(
         for kind in KV_CLASS_KINDS
     }
     return server_args, classes
+
+
+def resolve_prefill_dp_rank(mgr: Any, bootstrap_addr: str, room: int) -> int | None:
+    """The prefill DP rank a decode's receiver for ``room`` is initialised with, chosen as
+    SGLang's ``DecodePreallocQueue`` chooses it (``_resolve_prefill_dp_rank``: 0 for a
+    prefill without DP, ``room % dp_size`` for one that follows the bootstrap room), else
+    asked of the bootstrap server (``/query_dp_ranks``, where the prefill rank that took the
+    room registered it). None: not known yet (ask again later)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
+    host, _, port = bootstrap_addr.rpartition(":")
+    req = SimpleNamespace(
+        disagg_prefill_dp_rank=None,
+        bootstrap_room=room,
+        bootstrap_host=host,
+        bootstrap_port=int(port),
+    )
+    rank = DecodePreallocQueue._resolve_prefill_dp_rank(SimpleNamespace(kv_manager=mgr), req)
+    if rank is not None:
+        return int(rank)
+    if bootstrap_addr not in mgr.prefill_info_table:
+        return None
+    got = CommonKVReceiver.query_prefill_dp_ranks(bootstrap_addr, [room])
+    rank = got.get(str(room), got.get(room)) if isinstance(got, dict) else None
+    return None if rank is None else int(rank)
 
 
 def pp_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:

@@ -58,21 +58,57 @@ class RankSpec:
     pp_size: int = 1  # pipeline stages of this rank's server
     pp_rank: int = 0
     pp_port: int = 0  # a PP prefill's gloo rendezvous (its instance's ranks), on 127.0.0.1
+    dp_size: int = 1  # attention DP groups of this rank's server (DP attention when > 1)
 
     @property
     def rank(self) -> int:
         """SGLang's world rank within the server: PP stage-major, TP rank within a stage."""
         return self.pp_rank * self.tp_size + self.tp_rank
 
+    @property
+    def attn_tp_size(self) -> int:
+        """Ranks of one attention DP group (SGLang: TP size // DP size)."""
+        return self.tp_size // self.dp_size
+
+    @property
+    def attn_tp_rank(self) -> int:
+        return self.tp_rank % self.attn_tp_size
+
+    @property
+    def attn_dp_rank(self) -> int:
+        return self.tp_rank // self.attn_tp_size
+
     def my_requests(self) -> list[Request]:
-        """Request i goes to prefill instance i % n_prefill and decode instance i % n_decode."""
-        reqs = self.workload.make_requests()
-        if self.role == "prefill":
-            return [r for i, r in enumerate(reqs) if i % self.n_prefill == self.instance]
-        return [r for i, r in enumerate(reqs) if i % self.n_decode == self.instance]
+        """This rank's requests (``requests_of``)."""
+        return requests_of(
+            self.workload.make_requests(),
+            self.role,
+            self.instance,
+            self.n_prefill if self.role == "prefill" else self.n_decode,
+            self.dp_size,
+            self.attn_dp_rank,
+        )
 
     def prefill_addr_of(self, index: int) -> str:
         return self.prefill_addrs[index % self.n_prefill]
+
+
+def requests_of(
+    reqs: Sequence[Request], role: str, instance: int, instances: int, dp_size: int, dp_rank: int
+) -> list[Request]:
+    """The requests of attention DP group ``dp_rank`` of server ``instance`` of ``role``.
+
+    Request i goes to prefill instance i % n_prefill and decode instance i % n_decode. In a
+    server with DP attention, as SGLang routes by default: a prefill's DP controller sends a
+    room to DP rank ``room % dp_size`` (``follow_bootstrap_room``, which its sender checks), a
+    decode's deals its requests round robin (``round_robin``), whatever their rooms.
+    """
+    mine = [r for i, r in enumerate(reqs) if i % instances == instance]
+    if dp_size == 1:
+        return mine
+    if role == "prefill":
+        return [r for r in mine if r.room % dp_size == dp_rank]
+    return [r for j, r in enumerate(mine) if j % dp_size == dp_rank]
 
 
 #: ``SGLANG_PLUGINS`` of an in-tree run: no general plugin loads, so SGLang's own nixl serves.
@@ -101,6 +137,7 @@ def _setup(spec: RankSpec) -> dict[str, Any]:
         gpu_id=spec.gpu_id,
         pp_size=spec.pp_size,
         pp_group=pp_group,
+        dp_size=spec.dp_size,
     )
     return {"server_args": sa, "classes": classes}
 
@@ -126,7 +163,8 @@ class Pools:
         self.shape = w.shape
         self.page_size = w.page_size_of(spec.role)
         self.pages_differ = w.pages_differ  # only the request's tokens travel, not whole pages
-        self.heads = w.shape.heads_per_rank(spec.tp_size)
+        # a rank holds the heads of its attention TP rank (all of TP without DP attention)
+        self.heads = w.shape.heads_per_rank(spec.attn_tp_size)
         self.head_words = w.shape.head_bytes // 4
         self.pages = w.pool_pages(spec.role)
         self.item_len = self.page_size * self.heads * w.shape.head_bytes
@@ -172,7 +210,7 @@ class Pools:
         self.global_heads = (
             np.zeros(1, np.int64)
             if w.shape.mla
-            else spec.tp_rank * self.heads + np.arange(self.heads)
+            else spec.attn_tp_rank * self.heads + np.arange(self.heads)
         )
 
     def region_words(self, r: int, host: bool = False) -> Any:
@@ -265,9 +303,12 @@ class Pools:
         mla_pool = shape.mla and not hybrid
         n = len(self.kv_ptrs)
         a = kvargs_cls()
-        a.engine_rank = spec.tp_rank % spec.tp_size  # attention TP == TP: no DP attention
+        # a prefill's is its TP rank, a decode's its attention TP rank (tp_rank % attn_tp_size)
+        a.engine_rank = spec.tp_rank if prefill else spec.attn_tp_rank
         a.pp_rank = spec.pp_rank
-        a.system_dp_rank = None  # SGLang's DP rank; None without a DP controller
+        # get_parallel().dp_rank: None without a DP controller; under DP attention the
+        # controller launches each rank with its attention DP rank
+        a.system_dp_rank = spec.attn_dp_rank if spec.dp_size > 1 else None
         a.kv_cache_dtype_str = kv_cache_dtype_str(shape)
         declared = getattr(kvargs_cls, "__annotations__", {})  # fields differ by release
         if "kv_layout" in declared:  # SGLang 0.5.23+: only DeepSeek V4 pools name a layout
@@ -568,7 +609,9 @@ def run_decode(
     deadline = time.monotonic() + spec.deadline_s
     ready: set[str] = set()
     resolved: set[str] = set()
-    probed: dict[str, float] = {}
+    probed: dict[Any, float] = {}
+    dp_ranks: dict[int, int] = {}  # resolved for the next room, before its pages are taken
+    prefill_dp: dict[int, int] = {}  # the prefill DP rank each room was received from
     held: dict[int, tuple[dict[str, Any], float]] = {}  # failed host rooms, pages kept
     while (pending or active or held) and time.monotonic() < deadline:
         while pending and len(active) < w.concurrency:
@@ -590,6 +633,17 @@ def run_decode(
                 if warmed is not None and not warmed(addr):
                     break
                 ready.add(addr)
+            # the prefill DP rank that holds the room, as SGLang's decode resolves it (the
+            # bootstrap is asked, at most every 20 ms, when the prefill does not follow rooms)
+            dp_rank = dp_ranks.get(r.room)
+            if dp_rank is None:
+                if time.monotonic() - probed.get(r.room, 0.0) < 0.02:
+                    break
+                probed[r.room] = time.monotonic()
+                dp_rank = harness.resolve_prefill_dp_rank(mgr, addr, r.room)
+                if dp_rank is None:
+                    break
+                dp_ranks[r.room] = dp_rank
             pages = (host_pool if r.host else pool).alloc(r.pages(pools.page_size), r.contiguous)
             if pages is None:
                 break
@@ -598,7 +652,8 @@ def run_decode(
             for buf, n in zip(pools.aux, AUX_ITEM_BYTES, strict=False):
                 buf[slot * n : (slot + 1) * n] = 0
             receiver = cls["receiver"](mgr=mgr, bootstrap_addr=addr, bootstrap_room=r.room)
-            receiver.init(0)
+            receiver.init(dp_ranks.pop(r.room))
+            prefill_dp[r.room] = dp_rank
             state = [np.array([slot], dtype=np.int32)] if r.with_state else None
             t0 = time.perf_counter()
             if ready_s is None:
@@ -631,6 +686,7 @@ def run_decode(
             latency = time.perf_counter() - ctx["t0"]
             res: dict[str, Any] = {
                 "ok": status == KVPoll.Success,
+                "prefill_dp_rank": prefill_dp.pop(room, None),
                 "latency_s": latency,
                 "reason": None,
                 "wall0": ctx["wall0"],

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sgl_nixl_plugin.bench.rank import INTREE_PLUGINS, RankSpec, rank_main
+from sgl_nixl_plugin.bench.rank import INTREE_PLUGINS, RankSpec, rank_main, requests_of
 from sgl_nixl_plugin.bench.workload import Workload
 
 LOOPBACK_ENV = {
@@ -63,12 +63,38 @@ class SessionConfig:
     verify: bool = True
     prefill_pp: int = 1  # pipeline stages of each prefill server
     decode_pp: int = 1  # of each decode server: 1 or prefill_pp (what SGLang pairs)
+    # DP attention (--enable-dp-attention --dp-size N) of each server: N attention DP groups
+    # of tp / N ranks each; 1: none
+    prefill_dp: int = 1
+    decode_dp: int = 1
+
+    def __post_init__(self) -> None:
+        for role, tp, dp, pp in (
+            ("prefill", self.prefill_tp, self.prefill_dp, self.prefill_pp),
+            ("decode", self.decode_tp, self.decode_dp, self.decode_pp),
+        ):
+            if dp < 1 or tp % dp:
+                raise ValueError(f"{role} DP {dp} does not divide its TP {tp}")
+            if dp > 1 and pp > 1:
+                raise ValueError(f"{role}: DP attention with PP is not covered by the bench")
 
     def ranks(self, role: str) -> int:
         """Scheduler processes of one ``role`` server (TP x PP)."""
         if role == "prefill":
             return self.prefill_tp * self.prefill_pp
         return self.decode_tp * self.decode_pp
+
+    def rooms_of(self, role: str, instance: int, rank: int) -> set[int]:
+        """The rooms world rank ``rank`` of server ``instance`` of ``role`` takes part in."""
+        tp, dp = (
+            (self.prefill_tp, self.prefill_dp)
+            if role == "prefill"
+            else (self.decode_tp, self.decode_dp)
+        )
+        n = self.n_prefill if role == "prefill" else self.n_decode
+        dp_rank = (rank % tp) // (tp // dp)
+        reqs = self.workload.make_requests()
+        return {r.room for r in requests_of(reqs, role, instance, n, dp, dp_rank)}
 
 
 @dataclass
@@ -111,12 +137,16 @@ class SessionResult:
         return out
 
 
-def _server_ranks(role: str, instance: int, tp: int, pp: int, **common: Any) -> list[RankSpec]:
+def _server_ranks(
+    role: str, instance: int, tp: int, pp: int, dp: int = 1, **common: Any
+) -> list[RankSpec]:
     """The scheduler ranks of one server, stage-major (SGLang's world-rank order); a PP
     prefill's ranks share a gloo rendezvous port for their PP groups."""
     pp_port = free_port() if role == "prefill" and pp > 1 else 0
     return [
-        RankSpec(role, instance, tp, r, pp_size=pp, pp_rank=stage, pp_port=pp_port, **common)
+        RankSpec(
+            role, instance, tp, r, pp_size=pp, pp_rank=stage, pp_port=pp_port, dp_size=dp, **common
+        )
         for stage in range(pp)
         for r in range(tp)
     ]
@@ -142,14 +172,14 @@ def _specs(cfg: SessionConfig) -> tuple[list[RankSpec], list[str]]:
         if cfg.separate_bootstrap:
             specs.append(RankSpec("bootstrap", i, cfg.prefill_tp, 0, bootstrap_port=port, **common))
         ranks = _server_ranks(
-            "prefill", i, cfg.prefill_tp, cfg.prefill_pp,
+            "prefill", i, cfg.prefill_tp, cfg.prefill_pp, cfg.prefill_dp,
             bootstrap_port=port, gpu_id=cfg.prefill_gpu, **common,
         )  # fmt: skip
         ranks[0] = replace(ranks[0], serve_bootstrap=not cfg.separate_bootstrap)
         specs += ranks
     for i in range(cfg.n_decode):
         specs += _server_ranks(
-            "decode", i, cfg.decode_tp, cfg.decode_pp,
+            "decode", i, cfg.decode_tp, cfg.decode_pp, cfg.decode_dp,
             bootstrap_port=0, prefill_addrs=addrs, gpu_id=cfg.decode_gpu, **common,
         )  # fmt: skip
     return specs, addrs
@@ -212,7 +242,9 @@ class Session:
                 if "progress" in res:
                     counts[(role, inst, rank)] = res["progress"]
                     if progress is not None:
-                        progress(sum(counts.values()) // self.cfg.ranks("decode"))
+                        # a room is reported by the ranks of one attention DP group
+                        per_room = self.cfg.ranks("decode") // self.cfg.decode_dp
+                        progress(sum(counts.values()) // per_room)
                     continue
                 got[(role, inst, rank)] = res
                 if "error" in res:

@@ -68,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--decode-pp", type=int, default=1, help="of the decode: 1 or --prefill-pp (as SGLang)"
     )
+    d.add_argument(
+        "--prefill-dp",
+        type=int,
+        default=1,
+        help="attention DP groups of the prefill (--enable-dp-attention --dp-size N); "
+        "divides --prefill-tp",
+    )
+    d.add_argument("--decode-dp", type=int, default=1, help="of the decode; divides --decode-tp")
     d.add_argument("--mem", choices=["DRAM", "VRAM"], default="DRAM")
     d.add_argument("--prefill-gpu", type=int, default=0)
     d.add_argument("--decode-gpu", type=int, default=0)
@@ -153,6 +161,7 @@ def _single_role(args: argparse.Namespace, workload: Workload) -> int:
         instance=0,
         tp_size=tp,
         tp_rank=args.tp_rank,
+        dp_size=args.decode_dp if args.role == "decode" else args.prefill_dp,
         workload=workload,
         bootstrap_port=int(port),
         prefill_addrs=[args.bootstrap],
@@ -247,6 +256,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    for role, tp, dp, pp in (
+        ("prefill", args.prefill_tp, args.prefill_dp, args.prefill_pp),
+        ("decode", args.decode_tp, args.decode_dp, args.decode_pp),
+    ):
+        if dp < 1 or tp % dp or (dp > 1 and pp > 1):
+            print(
+                f"--{role}-dp {dp}: it must divide --{role}-tp ({tp}), without PP",
+                file=sys.stderr,
+            )
+            return 2
     if args.decode_pp != args.prefill_pp and workload.state:
         # a hybrid model's state buffers are per stage: refused into a PP 1 decode
         workload = replace(workload, state=False)
@@ -256,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         decode_tp=args.decode_tp,
         prefill_pp=args.prefill_pp,
         decode_pp=args.decode_pp,
+        prefill_dp=args.prefill_dp,
+        decode_dp=args.decode_dp,
         mem_kind=args.mem,
         prefill_gpu=args.prefill_gpu,
         decode_gpu=args.decode_gpu,
@@ -275,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         f"concurrency {workload.concurrency}, {workload.fragmentation} pages, "
         f"TP {args.prefill_tp}->{args.decode_tp}, "
         + (f"PP {args.prefill_pp}->{args.decode_pp}, " if args.prefill_pp > 1 else "")
+        + (
+            f"DP {args.prefill_dp}->{args.decode_dp}, "
+            if args.prefill_dp > 1 or args.decode_dp > 1
+            else ""
+        )
         + f"{args.mem}"
     )
     if args.json:

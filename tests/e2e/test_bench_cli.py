@@ -79,3 +79,20 @@ def test_roles_run_prefill_decode_and_bootstrap_as_separate_processes():
         for p in procs:
             p.kill()
             p.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--prefill-tp", "2", "--prefill-dp", "3"),
+        ("--decode-tp", "2", "--decode-dp", "0"),
+        ("--prefill-tp", "2", "--prefill-dp", "2", "--prefill-pp", "2"),
+    ],
+    ids=["dp-not-dividing-tp", "dp-zero", "dp-with-pp"],
+)
+def test_dp_flags_that_sglang_would_not_run_are_refused(flags: tuple[str, ...]) -> None:
+    out = subprocess.run(
+        _bench(*SMALL, *flags, "--quiet"), capture_output=True, text=True, timeout=120, env=_env()
+    )
+    assert out.returncode == 2, (out.stdout[-1000:], out.stderr[-2000:])
+    assert "-dp" in out.stderr and "must divide" in out.stderr, out.stderr[-2000:]

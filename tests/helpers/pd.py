@@ -89,9 +89,11 @@ def run_pd(w: Workload, **kwargs: Any) -> SessionResult:
 
 
 def expected_bytes(cfg: SessionConfig, pages: int) -> int:
-    """KV bytes a room lands summed over the decode TP ranks (MLA is replicated per rank)."""
+    """KV bytes a room lands summed over the decode ranks that receive it, the attention TP
+    ranks of one attention DP group (MLA is replicated per rank)."""
     w = cfg.workload
-    return pages * w.page_size_of("decode") * w.shape.token_bytes(cfg.decode_tp) * cfg.decode_tp
+    attn_tp = cfg.decode_tp // cfg.decode_dp
+    return pages * w.page_size_of("decode") * w.shape.token_bytes(attn_tp) * attn_tp
 
 
 def room_tables(tables: dict[str, int]) -> dict[str, int]:
@@ -142,9 +144,14 @@ def session_problems(res: SessionResult, *, check_tables: bool = True) -> list[s
                     f"{r['host_pages_held']}"
                 )
 
-    # Prefill: each rank of instance i sends rooms i, i + n_prefill, ...
+    # Prefill: each rank of instance i sends rooms i, i + n_prefill, ... (with DP attention,
+    # those of its DP group); a decode rank receives its rooms only
+    for (inst, rank), r in sorted(res.decode.items()):
+        got_rooms = set(r.get("results", {})) | set(r.get("timed_out", []))
+        if "error" not in r and got_rooms != cfg.rooms_of("decode", inst, rank):
+            problems.append(f"decode{inst}.{rank}: rooms other than its own: {len(got_rooms)}")
     for (inst, rank), r in sorted(res.prefill.items()):
-        mine = {q.room for i, q in enumerate(reqs) if i % cfg.n_prefill == inst}
+        mine = cfg.rooms_of("prefill", inst, rank)
         results = r.get("results", {})
         if set(results) != mine:
             problems.append(f"prefill{inst}.{rank}: {len(results)} results for {len(mine)} rooms")
@@ -192,7 +199,7 @@ def describe(res: SessionResult) -> str:
     w = c.workload
     return (
         f"{c.backend} {w.shape.name} TP {c.prefill_tp}->{c.decode_tp} "
-        f"PP {c.prefill_pp}->{c.decode_pp} "
+        f"PP {c.prefill_pp}->{c.decode_pp} DP {c.prefill_dp}->{c.decode_dp} "
         f"P{c.n_prefill}xD{c.n_decode} page_size={w.page_size} requests={w.requests} "
         f"wall={res.wall_s:.1f}s"
     )

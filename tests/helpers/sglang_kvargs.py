@@ -43,6 +43,7 @@ class Case:
     roles: tuple[str, ...] = ("prefill", "decode")
     pp_size: int = 1  # a pipeline stage's pool: its layers only
     pp_rank: int = 0
+    dp_size: int = 1  # DP attention: attention DP groups of the server
 
 
 CASES = (
@@ -59,16 +60,20 @@ CASES = (
     # get_pp_indices), so stage 2 holds layers 2 and 3
     Case("mha-p16-pp3-stage2", "tiny", 16, pp_size=3, pp_rank=2),
     Case("mla-p16-pp2-stage1", "tiny-mla", 16, pp_size=2, pp_rank=1),
+    # DP attention: TP 4 in two attention DP groups; rank 3 is attention TP rank 1 of DP
+    # group 1 (a prefill's engine_rank is its TP rank, a decode's its attention TP rank)
+    Case("mha-p16-tp4dp2-rank3", "tiny", 16, tp_size=4, tp_rank=3, dp_size=2),
 )
 
 
 def case_groups(role: str) -> list[list[str]]:
     """The cases of ``role``, one list per subprocess: a process publishes one TP layout
     (SGLang keeps a rank it was given once: republishing a smaller TP size fails)."""
-    groups: dict[tuple[int, int, int, int], list[str]] = {}
+    groups: dict[tuple[int, ...], list[str]] = {}
     for c in CASES:
         if role in c.roles:
-            groups.setdefault((c.tp_size, c.tp_rank, c.pp_size, c.pp_rank), []).append(c.name)
+            key = (c.tp_size, c.tp_rank, c.pp_size, c.pp_rank, c.dp_size)
+            groups.setdefault(key, []).append(c.name)
     return list(groups.values())
 
 
@@ -255,6 +260,7 @@ def capture(role: str, case: Case) -> dict[str, Any]:
         mem_kind="DRAM",
         pp_size=case.pp_size,
         pp_rank=case.pp_rank,
+        dp_size=case.dp_size,
     )
     env = _setup(spec)  # the bench's own publish of SGLang's runtime context
 
