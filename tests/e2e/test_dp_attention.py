@@ -89,3 +89,83 @@ def test_rooms_split_over_dp_groups_as_sglang_routes_them() -> None:
     ):
         with pytest.raises(ValueError):
             SessionConfig(w, **bad)
+
+
+@pytest.mark.timeout(180)
+def test_a_prefill_dp_rank_killed_mid_transfer_fails_only_its_rooms_fast(tmp_path) -> None:
+    """A prefill of TP 2 with DP attention 2 (two DP groups of attention TP 1, one process
+    each, under one bootstrap server) and a TP 1 decode that takes rooms of both groups.
+    Both prefill DP ranks hold each room's last chunk after its first landed; SIGKILL DP
+    rank 1: each of its rooms fails on the decode within 2 s with a reason naming a prefill
+    rank, while DP group 0's rooms, released, finish byte-exact; the decode's tables drain."""
+    from dataclasses import replace
+
+    from helpers.faults import FaultCluster, first_chunk_pages, make_requests
+    from helpers.waiting import poll_until
+
+    from sgl_nixl_plugin.bench.session import free_port
+    from sgl_nixl_plugin.bench.workload import PRESETS, Workload
+
+    env = {
+        "SGLANG_NIXL_PLUGIN_LIVENESS_INTERVAL": "0.5",
+        "SGLANG_NIXL_PLUGIN_LIVENESS_MISSES": "4",
+    }
+    w = Workload(PRESETS["tiny"], page_size=16, max_tokens=256, concurrency=16, state=False)
+    reqs = [
+        replace(r, with_state=False) for r in make_requests(16, 95, tokens=(200, 256), chunks=2)
+    ]
+    # the rooms each prefill DP group accepts (``room % 2``, checked by SGLang's sender)
+    groups = [[r for r in reqs if r.room % 2 == g][:3] for g in range(2)]
+    assert all(len(g) == 3 for g in groups), [len(g) for g in groups]
+    rooms = [{r.room for r in g} for g in groups]
+    with FaultCluster(w, tmp_path, env) as c:
+        boot = free_port()
+        c.bootstrap("boot0", boot)
+        prefill = [
+            c.add(
+                f"prefill0.dp{g}",
+                c.spec("prefill", bootstrap_port=boot, tp_size=2, tp_rank=g, dp_size=2),
+            )
+            for g in range(2)
+        ]
+        d = c.decode("decode0")
+        c.ready()
+        addr = f"127.0.0.1:{boot}"
+
+        for p, g in zip(prefill, groups, strict=True):
+            p.call("expect", reqs=g, plans={r.room: "hold" for r in g})
+        assert d.call("submit", reqs=groups[0] + groups[1], addr=addr) == {}
+        want = {r.room: first_chunk_pages(r, 16) for r in groups[0] + groups[1]}
+        poll_until(
+            lambda: d.call("landed", rooms=list(want)),
+            lambda got: all(got.get(room, 0) >= n for room, n in want.items()),
+            30,
+        )
+        for p, mine in zip(prefill, rooms, strict=True):
+            assert set(p.call("held")) == mine, c.logs()
+        assert not d.done(), "a held room finished early"
+
+        t_kill = prefill[1].kill()
+        failed = d.wait_done(rooms[1], 20)
+        assert not any(r["ok"] for r in failed.values()), failed
+        slow = {room: r["t"] - t_kill for room, r in failed.items() if r["t"] - t_kill > 2.0}
+        assert not slow, f"rooms failed later than 2 s after the kill: {slow}"
+        # the reason names the killed rank (SGLang's ``failure_exception`` text)
+        dead = f"prefill rank {prefill[1].info['ip']}:{prefill[1].info['port']}"
+        assert all(dead in (r["reason"] or "") for r in failed.values()), (dead, failed)
+        assert not d.done(rooms[0]), "a room of the surviving DP group failed with the other"
+
+        assert prefill[0].call("release", rooms=sorted(rooms[0])) == sorted(rooms[0])
+        ok = d.wait_done(rooms[0], 20)
+        assert all(r["ok"] and not r["bad_pages"] and not r["bad_aux"] for r in ok.values()), ok
+        sent = prefill[0].wait_done(rooms[0], 20)
+        assert all(r["ok"] for r in sent.values()), sent
+        assert d.call("state")["active"] == 0
+        poll_until(
+            lambda: {
+                k: v for k, v in d.call("state")["tables"].items() if v and k.startswith("decode.")
+            },
+            lambda t: not t,
+            10,
+            what="the decode's per-room tables drain",
+        )

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from helpers.waiting import poll_until
+from sgl_nixl_plugin.adapter import harness
 from sgl_nixl_plugin.bench.rank import Pools, RankSpec, _setup, _tables
 from sgl_nixl_plugin.bench.session import LOOPBACK_ENV, free_port
 from sgl_nixl_plugin.bench.workload import (
@@ -284,12 +285,23 @@ class FaultCluster:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def spec(self, role: str, instance: int = 0, bootstrap_port: int = 0, **kw: Any) -> RankSpec:
+    def spec(
+        self,
+        role: str,
+        instance: int = 0,
+        bootstrap_port: int = 0,
+        *,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        **kw: Any,
+    ) -> RankSpec:
+        """A rank of server ``instance``: TP ``tp_size``, this rank ``tp_rank``; ``kw`` are
+        further ``RankSpec`` fields (``dp_size`` > 1: DP attention; ``pp_size``...)."""
         return RankSpec(
             role,
             instance,
-            1,
-            0,
+            tp_size,
+            tp_rank,
             self.workload,
             bootstrap_port=bootstrap_port,
             env={**self.env, **kw.pop("env", {})},
@@ -848,6 +860,11 @@ class _DecodeRank(_Rank):
         mgr, pools = self.mgr, self.pools
         if not mgr.try_ensure_parallel_info(addr):
             return f"no parallel info from {addr}"
+        # the prefill DP rank that holds the room, as SGLang's decode picks it: 0 for a
+        # prefill without DP attention, ``room % dp_size`` for one that follows the room
+        dp_rank = harness.resolve_prefill_dp_rank(mgr, addr, r.room)
+        if dp_rank is None:
+            return f"no prefill DP rank known for room {r.room}"
         pool = self.host_pool if r.host else self.page_pool
         pages = pool.alloc(r.pages(pools.page_size), r.contiguous)
         if pages is None:
@@ -861,7 +878,7 @@ class _DecodeRank(_Rank):
         if r.with_state:
             pools.state_row(slot)[:] = 0
         receiver = self.cls["receiver"](mgr=mgr, bootstrap_addr=addr, bootstrap_room=r.room)
-        receiver.init(0)
+        receiver.init(dp_rank)
         state = [np.array([slot], dtype=np.int32)] if r.with_state else None
         sent = pages[:-1] if short else pages
         if not metadata:
