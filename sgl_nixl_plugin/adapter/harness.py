@@ -105,6 +105,11 @@ def resolve_prefill_dp_rank(mgr: Any, bootstrap_addr: str, room: int) -> int | N
     room registered it). None: not known yet (ask again later)."""
     from types import SimpleNamespace
 
+    info = mgr.prefill_info_table.get(bootstrap_addr)
+    if info is not None and info.dp_size == 1:
+        # SGLang's answer too, without importing its scheduler's modules (on the GPU
+        # machine those need packages the carried wheel set leaves out, e.g. openai)
+        return 0
     from sglang.srt.disaggregation.common.conn import CommonKVReceiver
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
 
