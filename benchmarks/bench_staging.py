@@ -14,12 +14,18 @@ permutations). Per page size, every row moves the same requests' bytes in the sa
 5. ours         -- pipelined ``StagedSend`` with the copier (Triton on VRAM), the receiver
                    scattering each piece as it lands; every piece makes a control round
                    trip over a ``multiprocessing.Pipe`` (like the adapter's PieceReady /
-                   PieceDone over ZMQ).
+                   PieceDone over ZMQ);
+7. one pass    -- the receiver exports its pool by CUDA IPC (``engine.cuda_ipc``); the
+                   sender maps it and writes the request's pages into the receiver's pages
+                   with ONE ``TritonCopier.pair_copy`` of all layers, then tells the receiver
+                   over the Pipe. VRAM only, and only where the two processes may map each
+                   other's memory (one GPU or peers; else skipped, with the reason).
 
-Rows 4 and 5 are timed end to end on the sender: from the first gather until the
-receiver's last "scattered" reply. Rows 1-3 are timed on the sender until the copy or
-WRITE completes. The destination is checked byte-exact (first and last request by
-default) for rows 3-5, after the destination pages were cleared. By default the rows
+Rows 4, 5 and 7 are timed end to end on the sender: from the first gather (row 7: the
+index preparation) until the receiver's last "scattered" reply (row 7: its reply to "the
+copy's event has completed"). Rows 1-3 are timed on the sender until the copy or WRITE
+completes. The destination is checked byte-exact (first and last request by default) for
+rows 3-5 and 7, after the destination pages were cleared. By default the rows
 take turns per request (``--order interleaved``), so that a shared machine's drift hits
 them alike; each row has one untimed warm-up. Ratios are medians over the requests both
 rows ran. The agents run without NIXL's progress thread (our default): the receiver
@@ -54,8 +60,8 @@ if str(_REPO) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-ROWS = ("ceiling", "write", "perpage", "plain", "ours", "oursb")
-RUN_ORDER = ("ceiling", "write", "plain", "ours", "oursb", "perpage")  # the slow one last
+ROWS = ("ceiling", "write", "perpage", "plain", "ours", "oursb", "ipc")
+RUN_ORDER = ("ceiling", "write", "plain", "ours", "oursb", "ipc", "perpage")  # slow one last
 LABELS = {
     "ceiling": "1 ceiling: contiguous copy",
     "write": "2 one NIXL WRITE (1 descriptor)",
@@ -63,8 +69,9 @@ LABELS = {
     "plain": "4 plain staging, no overlap",
     "ours": "5 ours: pipelined StagedSend",
     "oursb": "6 ours, variant B (--b-*)",
+    "ipc": "7 one pass: pair_copy over IPC",
 }
-VERIFIED_ROWS = ("perpage", "plain", "ours", "oursb")
+VERIFIED_ROWS = ("perpage", "plain", "ours", "oursb", "ipc")
 _PLUGGY_STUBBED = False
 
 
@@ -108,6 +115,7 @@ _PLAN_DEFAULTS = {
     k: getattr(staging_mod, k)
     for k in ("PIPELINE_PIECES", "PIPELINE_PIECES_SAME_DEVICE", "MIN_PIECE_BYTES")
 }
+from sgl_nixl_plugin.engine import cuda_ipc  # noqa: E402
 from sgl_nixl_plugin.engine.descriptors import expected_descriptors  # noqa: E402
 from sgl_nixl_plugin.engine.engine import Memory, TransferEngine  # noqa: E402
 from sgl_nixl_plugin.engine.layout import Geometry, RegionSet  # noqa: E402
@@ -612,12 +620,28 @@ def _recv(conn, timeout: float, kind: str | None = None):
 
 
 # ----------------------------------------------------------------------------- receiver
+def _export_pool(cfg: dict, side: Side) -> tuple[Any, str]:
+    """Row 7: the receiver's KV regions exported by CUDA IPC, or why not."""
+    if "ipc" not in cfg["rows"]:
+        return None, "not requested"
+    if side.mem != "VRAM" or not side.cuda:
+        return None, "needs --mem VRAM"
+    if not cuda_ipc.available():
+        return None, "cuda_ipc.available() is False (no GPU or no cuda.bindings)"
+    try:
+        ranges = [(p, side.P * side.item) for p in side.region_ptrs]
+        return cuda_ipc.export_ranges(ranges, side.device), ""
+    except cuda_ipc.IpcError as exc:
+        return None, str(exc)
+
+
 def receiver_main(cfg: dict, page_size: int, conn) -> None:
     side = None
     try:
         side = Side(cfg, page_size, cfg["recv_gpu"])
         copier, _ = load_copier(cfg["mem"], cfg["recv_gpu"], cfg["copier"])
         st = side.staging
+        ipc_export, ipc_error = _export_pool(cfg, side)
         conn.send(
             (
                 "hello",
@@ -631,6 +655,8 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
                     "slot_bytes": st.slot_bytes,
                     "num_slots": st.num_slots,
                     "staging_uuid": st.device_uuid,
+                    "ipc": ipc_export,
+                    "ipc_error": ipc_error,
                 },
             )
         )
@@ -722,6 +748,8 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
                     conn.send(("verified", side.verify(src, dst)))
                 elif kind == "sync":
                     conn.send(("synced", msg[1]))
+                elif kind == "ipc_done":  # row 7: the sender's one-pass copy has landed
+                    conn.send(("ipc_ack", time.perf_counter()))
                 else:
                     conn.send(("error", f"unknown message {kind!r}"))
             except Exception:
@@ -814,6 +842,39 @@ class Sender:
             )
         self.idle_wait = 0.0 if self.mem == "VRAM" else 1e-4
         self.seq = 0
+        self.ipc: Any = None  # row 7: the receiver's pool mapped here
+        self.ipc_reason = self._open_ipc(hello) if "ipc" in cfg["rows"] else "not requested"
+
+    def _open_ipc(self, hello: dict) -> str:
+        """Row 7: map the receiver's exported pool and compile the one-pass kernel; returns
+        "" when ready, else why the row is skipped."""
+        if hello.get("ipc") is None:
+            return hello.get("ipc_error") or "the receiver exported nothing"
+        if not hasattr(self.copier, "pair_copy"):
+            return f"the {type(self.copier).__name__} has no pair_copy (needs Triton)"
+        dev = self.cfg["send_gpu"]
+        reason = cuda_ipc.why_not(hello["ipc"], dev)
+        if reason is not None:
+            return f"why_not: {reason}"
+        try:
+            self.ipc = cuda_ipc.open_export(hello["ipc"], dev)
+        except cuda_ipc.IpcError as exc:
+            return str(exc)
+        s = self.side
+        try:
+            self.ipc_src = self.copier.prepare_bases(s.bases, s.stream)
+            self.ipc_dst = self.copier.prepare_bases(self.ipc.translate(hello["ptrs"]), s.stream)
+            self.copier.warmup_pair(s.item, s.item, 0, s.item, 0)
+        except Exception as exc:  # the other rows still run
+            self.close_ipc()
+            self.ipc = None
+            return f"setup FAILED: {type(exc).__name__}: {exc}"
+        return ""
+
+    def close_ipc(self) -> None:
+        if self.ipc is not None:
+            self.side.sync()  # no copy may still be writing through the mapping
+            self.ipc.close()
 
     # helpers -------------------------------------------------------------------------
     def _deadline(self) -> float:
@@ -1052,6 +1113,45 @@ class Sender:
             **timeline(t0, trace, replies),
         }
 
+    def row_ipc(self, req: dict) -> tuple[float, dict]:
+        """Row 7: one pair_copy of every layer's pages straight into the receiver's pages,
+        timed from the first index upload to the receiver's reply to "landed"."""
+        if self.ipc is None:
+            raise RuntimeError(f"row ipc unavailable: {self.ipc_reason}")
+        s, cfg, c = self.side, self.cfg, self.copier
+        if hasattr(c, "map_units"):  # as row 5 sets it, so both read indices alike
+            want = cfg["map_units"]
+            c.map_units = self._map_default if want is None else want == "on"
+        index = getattr(c, "_index", None)
+        if index is not None:  # rows send the same request: no cached upload
+            index._units.clear()
+        s.sync()
+        done = s.torch.cuda.Event()
+        deadline = self._deadline()
+        _hot(True)
+        t0 = time.perf_counter()
+        units = [c.prepare_units(req["src"], s.stream), c.prepare_units(req["dst"], s.stream)]
+        try:
+            c.pair_copy(self.ipc_src, self.ipc_dst, *units, s.item, s.item, 0, s.item, 0, s.stream)
+            done.record(s.stream)
+            t_launched = time.perf_counter()
+            while not done.query():
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"pair_copy not done within {cfg['req_timeout_s']:.0f} s")
+            t_done = time.perf_counter()
+        finally:
+            for u in units:
+                c.release_units(u, s.stream)
+        self.conn.send(("ipc_done", t_done))
+        _recv(self.conn, max(0.1, deadline - time.perf_counter()), "ipc_ack")
+        t_end = time.perf_counter()
+        _hot(False)
+        return t_end - t0, {
+            "launch_ms": (t_launched - t0) * 1e3,
+            "copy_ms": (t_done - t0) * 1e3,
+            "notify_ms": (t_end - t_done) * 1e3,
+        }
+
     # driver --------------------------------------------------------------------------
     def row_plan(self, row: str) -> tuple[list[int], str]:
         """Which requests a row runs, and why not all of them."""
@@ -1066,6 +1166,8 @@ class Sender:
                 note = f"{k} requests (--per-page-requests)"
             if 0 < k < n:
                 idx = sorted({*idx[: max(1, k - 1)], idx[-1]})[:k] if k > 1 else [0]
+        if row == "ipc" and self.ipc is None:
+            idx, note = [], f"skipped: {self.ipc_reason}"
         return idx, note
 
     def warm(self, row: str) -> None:
@@ -1146,6 +1248,9 @@ def _drive(sender: Sender, cfg: dict, budget_s: float, report) -> dict:
             "error": "",
         }
     for row in order:
+        if not plans[row]:  # a row skipped on this machine (its note says why)
+            active[row] = False
+            continue
         try:
             sender.warm(row)
         except Exception:
@@ -1242,6 +1347,9 @@ def sender_main(cfg: dict, page_size: int, conn, result_conn, budget_s: float) -
             )
         )
 
+        if "ipc" in cfg["rows"] and sender.ipc is None:
+            result_conn.send(("progress", f"  ipc: skipped: {sender.ipc_reason}"))
+
         def report(row: str, res: dict, spent: float) -> None:
             msg = f"  {row}: {len(res['times_ms'])} requests, {spent:.1f} s"
             if res["error"]:
@@ -1259,6 +1367,11 @@ def sender_main(cfg: dict, page_size: int, conn, result_conn, budget_s: float) -
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()
     finally:
+        if sender is not None:
+            try:
+                sender.close_ipc()  # before the receiver frees the pool
+            except Exception as exc:
+                print(f"[bench_staging] closing the IPC mapping: {exc}", file=sys.stderr)
         try:
             conn.send(("stop",))
         except Exception:
@@ -1398,6 +1511,7 @@ def summarise(run: dict) -> None:
 
     run["ratios"] = {k: ratio(k) for k in ("ceiling", "plain", "perpage", "write")}
     run["ratios"]["b_over_a"] = ratio("ours", "oursb")
+    run["ratios"]["ipc_over_ours"] = ratio("ours", "ipc")
 
 
 def fmt_table(run: dict, cfg: dict) -> str:
@@ -1447,6 +1561,12 @@ def fmt_table(run: dict, cfg: dict) -> str:
             )
         if key == "perpage" and comps:
             notes.append(f"{int(np.median([c['descriptors'] for c in comps]))} descriptors")
+        if key == "ipc" and comps:
+            med = {k: float(np.median([c[k] for c in comps])) for k in comps[0]}
+            notes.append(
+                f"p50: launched {med['launch_ms']:.2f}, copy done {med['copy_ms']:.2f} ms, "
+                f"then receiver told in {med['notify_ms']:.2f} ms"
+            )
         if key in ("ours", "oursb") and comps:
             med = {k: float(np.median([c.get(k, np.nan) for c in comps])) for k in comps[0]}
             gather_what = "gather calls" if cfg["mem"] == "DRAM" else "gather launches"
@@ -1503,12 +1623,16 @@ def fmt_table(run: dict, cfg: dict) -> str:
     line("ours / single WRITE", "write", "time")
     if r.get("b_over_a"):
         line("variant B (6) / ours (5)", "b_over_a", "time")
+    if r.get("ipc_over_ours"):
+        line("one pass (7) / ours (5)", "ipc_over_ours", "time")
     ver = []
     for key in VERIFIED_ROWS:
         row = run.get("rows", {}).get(key)
         if not row:
             continue
         vs = row.get("verify", [])
+        if key == "ipc" and not row.get("times_ms"):
+            continue  # skipped here: its note says why
         if not vs:
             ver.append(f"{key}: not checked")
             continue

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 PREFIX = "SGLANG_NIXL_PLUGIN_"
 LEGACY_PREFIX = "SGL_NIXL_PLUGIN_"
 
-TRANSFER_PATHS = ("auto", "direct", "staging")
+TRANSFER_PATHS = ("auto", "direct", "staging", "ipc")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -70,8 +70,13 @@ VARS: tuple[Var, ...] = (
     _v("SECRET", "str", "", "user", "shared secret, the same on every prefill and decode"),
     _v("SECRET_FILE", "str", "", "user", "file holding the shared secret (wins over SECRET)"),
     _v("STRICT", "flag", False, "user", "an unsupported SGLang stops the process at start-up"),
-    _v("TRANSFER_PATH", "choice", "auto", "user", "auto, direct or staging",
+    _v("TRANSFER_PATH", "choice", "auto", "user",
+       "auto, direct, staging or ipc (one pass through CUDA IPC; auto takes it where the GPUs "
+       "can map each other; direct and staging forbid it)",
        choices=TRANSFER_PATHS, field="transfer_path"),
+    _v("CUDA_IPC", "flag", True, "user",
+       "a decode offers its KV pool to prefills whose GPU can map it (one-pass transfers)",
+       field="cuda_ipc"),
     _v("STAGING_BYTES", "int", -1, "user",
        "staging buffer bytes; 0 turns staging off, -1: by memory kind", field="staging_bytes"),
     # tuning: not a stable interface
@@ -223,6 +228,7 @@ class Settings:
     nixl_threads: int = 8
     progress_thread: bool = False
     transfer_path: str = "auto"
+    cuda_ipc: bool = True  # a decode exports its KV pool for one-pass transfers
     staging_bytes: int = -1  # -1: by memory kind (see ``staging_sizes``); 0: staging off
     staging_piece_bytes: int = -1
     kv_mem_kind: str = ""  # "" = what the pointers say, else DRAM/VRAM

@@ -82,6 +82,7 @@ class PrefillContext(SideBase):
     staging: StagingBuffer | None = None
     copier: Any = None
     copy_stream: Any = None
+    gpu: int = 0  # this rank's CUDA device (VRAM KV)
     fallbacks: int = 0  # staged chunks sent direct: no receiver slot in time
     warmups: int = 0  # decodes whose padding page took the first WRITE at registration
     warmed_shapes: set[tuple[int, int, int]] = field(default_factory=set)

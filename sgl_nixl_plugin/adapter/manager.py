@@ -32,6 +32,7 @@ from sgl_nixl_plugin.adapter.memory import (
     prefill_head_layout,
     to_regions,
 )
+from sgl_nixl_plugin.adapter.one_pass import offer as offer_one_pass
 from sgl_nixl_plugin.adapter.pipeline_stages import PrefillStage
 from sgl_nixl_plugin.adapter.prefill_side import PrefillSide
 from sgl_nixl_plugin.adapter.sglang_rooms import (
@@ -66,6 +67,7 @@ class NixlPluginKVManager(CommonKVManager):
     reports_transfer_latency = True
     #: How our threads reach SGLang's tables (a release with other table APIs swaps it).
     facade: type[SGLangRooms] = SGLangRooms
+    _ipc_offer: Any = None  # the decode's KV pool for one-pass transfers (``one_pass.offer``)
 
     prefill: PrefillSide
     decode: DecodeSide
@@ -134,6 +136,8 @@ class NixlPluginKVManager(CommonKVManager):
             self.prefill = self.side = PrefillSide(self._prefill_context(base, args, gpu))
         else:
             self.decode = self.side = DecodeSide(self._decode_context(base, gpu))
+            # once: a registration sent again must be identical (the prefill keeps its link)
+            self._ipc_offer = offer_one_pass(self.settings, memory, gpu)
             self._start_heartbeat_checker_thread()
         self.side.start()
         if is_prefill:
@@ -174,6 +178,7 @@ class NixlPluginKVManager(CommonKVManager):
                 has_state=bool(getattr(args, "state_data_ptrs", None)),
             ),
             early=EarlyAborts(max(60.0, float(self.bootstrap_timeout))),
+            gpu=gpu,
         )
         if self.staging_bytes > 0:
             try:
@@ -342,6 +347,7 @@ class NixlPluginKVManager(CommonKVManager):
             aux=to_regions(mem.aux),
             state=[to_regions(s) for s in mem.state],
             staging=self.decode.staging_area(),
+            ipc=self._ipc_offer,
             host_kv=to_regions(mem.host_kv) if mem.host_kv is not None else [],
             host_state=[to_regions(s) for s in mem.host_state],
             pp_rank=int(self.pp_rank),
@@ -444,6 +450,8 @@ class NixlPluginKVManager(CommonKVManager):
         threads: list[threading.Thread] = self.side.threads()
         for t in threads:
             t.join(timeout=5)
+        if isinstance(self.side, PrefillSide):
+            self.side.close_mappings()
         self.engine.close()
         if any(t.is_alive() for t in threads):
             logger.warning("sgl-nixl: a control thread did not stop; its sockets stay open")

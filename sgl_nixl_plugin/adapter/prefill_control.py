@@ -20,6 +20,7 @@ from sgl_nixl_plugin.adapter.context import PrefillContext
 from sgl_nixl_plugin.adapter.control_loop import ControlLoop
 from sgl_nixl_plugin.adapter.liveness import drain
 from sgl_nixl_plugin.adapter.memory import decode_heads, kv_geometry, remote_memory
+from sgl_nixl_plugin.adapter.one_pass import attach as attach_one_pass
 from sgl_nixl_plugin.adapter.pipeline_stages import DecodeStage, PrefillStage, decode_kv_window
 from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.descriptors import validate_items
@@ -232,7 +233,7 @@ class PrefillControl(ControlLoop):
         reason = describe_mismatch(ctx.compat, reg.compat, "prefill")
         if not reason and reg.compat_hash != ctx.compat_hash:
             reason = "compatibility hash differs although every field matches: upgrade both sides"
-        link, warm_ms, window = None, None, None
+        link, warm_ms, window, one_pass = None, None, None, ""
         with peers.lock:
             known = peers.accepted.get(reg.agent_name)
         if known is not None and known.reg == reg:
@@ -284,6 +285,16 @@ class PrefillControl(ControlLoop):
                     reg.agent_metadata, remote, {"kv": geometry}, page_tokens=pages
                 )
                 warm_ms = self._warm(link, reg.agent_name, _remote_staging(reg))
+                one_pass = attach_one_pass(
+                    settings=ctx.settings,
+                    link=link,
+                    reg=reg,
+                    remote=remote,
+                    copier=ctx.copier,
+                    stream=ctx.copy_stream,
+                    gpu=ctx.gpu,
+                    local_uuid=ctx.staging.device_uuid if ctx.staging is not None else "",
+                )
                 if ctx.staging is not None and not geometry.is_whole_items:
                     ctx.warm_copier(geometry.unit_len, geometry.src_stride, geometry.src_offset)
             except ValueError as exc:
@@ -321,7 +332,7 @@ class PrefillControl(ControlLoop):
             )
         else:
             logger.info(
-                "sgl-nixl: decode %s (tp %d/%d) at %s:%s connected%s%s%s",
+                "sgl-nixl: decode %s (tp %d/%d) at %s:%s connected%s%s%s%s",
                 reg.agent_name,
                 reg.tp_rank,
                 reg.tp_size,
@@ -331,6 +342,7 @@ class PrefillControl(ControlLoop):
                 if pages[0] != pages[1]
                 else "",
                 f", warm-up WRITE {warm_ms:.1f} ms" if warm_ms is not None else "",
+                one_pass,
             )
         self._reply(endpoint, reg.agent_name, reason, window=window)
 

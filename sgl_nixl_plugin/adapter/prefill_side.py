@@ -49,9 +49,20 @@ class PrefillSide:
         for w in self.workers:
             w.stop()
 
+    def close_mappings(self) -> None:
+        """Unmap every decode's KV pool (after the workers stopped: no launch can follow)."""
+        with self.ctx.peers.lock:
+            links = [p.link.one_pass for p in self.ctx.peers.accepted.values()]
+        for op in links:
+            if op is not None:
+                op.close()
+
     def sizes(self) -> dict[str, int]:
         """Our per-room tables (they return to zero once every room ended) and counters."""
         out = {f"prefill.{k}": v for k, v in self.ctx.rooms.sizes().items()}
+        out["count.one_pass.peers"] = sum(
+            1 for p in self.ctx.peers.accepted.values() if p.link.one_pass is not None
+        )
         out["count.staging.fell_back"] = self.ctx.fallbacks
         out["count.warmups"] = self.ctx.warmups
         out.update({f"worker{i}.rooms": len(w.active) for i, w in enumerate(self.workers)})

@@ -23,6 +23,7 @@ from sgl_nixl_plugin import metrics
 from sgl_nixl_plugin.adapter.context import PrefillContext
 from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.descriptors import expected_descriptors
+from sgl_nixl_plugin.engine.one_pass import KernelXfer
 from sgl_nixl_plugin.engine.staging import (
     StagedSend,
     choose_path,
@@ -133,7 +134,9 @@ class TransferWorker:
                     elif chunk is not _WAKE:
                         self._submit(chunk)
                     chunk = self.queue.get_nowait() if not self.queue.empty() else None
-                staged = any(j.send.needs_polling for r in self.active.values() for j in r.jobs)
+                staged = any(
+                    j.send.needs_polling for r in self.active.values() for j in r.jobs
+                ) or any(isinstance(x, KernelXfer) for r in self.active.values() for x in r.xfers)
                 if self._poll() == 0 and busy and not staged:
                     # staged pieces move in ~0.1 ms steps (gather done, WRITE done, slot
                     # freed): keep the shortest wait while any is in flight
@@ -200,9 +203,11 @@ class TransferWorker:
                 )
             except TransferError as exc:
                 raise TransferError(f"decode {info.agent} {exc}") from exc
-        xfers = []
-        job = self._staged(rec, info, peer, src, dst, first)
-        if job is not None:
+        xfers = [self._one_pass(rec, info, peer, src, dst)]
+        job = None if xfers[0] is not None else self._staged(rec, info, peer, src, dst, first)
+        if xfers[0] is not None:
+            rec.path = "ipc"
+        elif job is not None:
             rec.jobs.append(job)
             rec.path = "staging"
             self._step_jobs(rec)  # first gather now, ahead of the aux and state WRITEs
@@ -236,6 +241,30 @@ class TransferWorker:
         rec.nbytes += x.nbytes
         rec.descriptors += x.descriptors
         self.ctx.sglang.begin_transfer(rec.room)
+
+    def _one_pass(
+        self,
+        rec: PrefillRoom,
+        info: TransferInfo,
+        peer: DecodePeer,
+        src: np.ndarray,
+        dst: np.ndarray,
+    ) -> Any:
+        """Launch the chunk's one-pass copy into the decode's mapped pool when the link has
+        one (device pages; ``TRANSFER_PATH`` auto or ipc); the transfer, else None."""
+        ctx, op = self.ctx, peer.link.one_pass
+        if (
+            op is None
+            or info.groups
+            or not len(src)
+            or ctx.copier is None
+            or ctx.settings.transfer_path not in ("auto", "ipc")
+        ):
+            return None
+        xfer = op.write(ctx.copier, src, dst, ctx.copy_stream)
+        if not any(j.info.agent == info.agent for j in rec.jobs):
+            self._give_back(rec, info.agent)  # granted with the request: not needed here
+        return xfer
 
     def _staged(
         self,

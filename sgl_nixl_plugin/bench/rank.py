@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 import traceback
@@ -563,7 +564,11 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
         close()
     if server is not None:
         server.close()
-    return {"results": results, "timed_out": timed_out, "tables": tables}
+    out = {"results": results, "timed_out": timed_out, "tables": tables}
+    ipc = sys.modules.get("sgl_nixl_plugin.engine.cuda_ipc")
+    if ipc is not None:  # CUDA IPC mappings still open after the manager closed: 0
+        out["ipc_open"] = ipc.open_mappings()
+    return out
 
 
 def _prefill_registered(addr: str) -> bool:

@@ -352,9 +352,26 @@ def check_cuda(ctx: DoctorContext) -> list[CheckResult]:
         ctx.facts["cuda"] = {"available": False, "error": f"{type(exc).__name__}: {exc}"}
         return [CheckResult("CUDA", "warn", f"cannot query torch: {type(exc).__name__}: {exc}")]
     ctx.facts["cuda"] = {"available": available, "device_count": count}
-    if available:
-        return [CheckResult("CUDA", "ok", f"visible, {count} device(s)")]
-    return [CheckResult("CUDA", "info", "not visible (torch.cuda.is_available() is False)")]
+    if not available:
+        return [CheckResult("CUDA", "info", "not visible (torch.cuda.is_available() is False)")]
+    out = [CheckResult("CUDA", "ok", f"visible, {count} device(s)")]
+    from sgl_nixl_plugin.engine import cuda_ipc
+
+    ipc = cuda_ipc.available()
+    ctx.facts["cuda"]["one_pass"] = ipc
+    if ipc:
+        out.append(CheckResult("one-pass (CUDA IPC)", "ok", "cuda.bindings imports"))
+    else:
+        out.append(
+            CheckResult(
+                "one-pass (CUDA IPC)",
+                "info",
+                "cuda.bindings does not import: prefill and decode sharing a GPU (or NVLink "
+                "peers) use the staged path instead of one-pass writes",
+                fix="pip install cuda-bindings (cuda-python), the build for your CUDA major",
+            )
+        )
+    return out
 
 
 def check_memory_kinds(ctx: DoctorContext) -> list[CheckResult]:

@@ -90,7 +90,50 @@ def _unit_copy_kernel(
         tl.store(rp, v, mask=mask)
 
 
+def _pair_copy_kernel(
+    src_bases_ptr,
+    dst_bases_ptr,
+    src_units_ptr,
+    dst_units_ptr,
+    n_units,
+    unit_words,
+    src_stride,
+    src_offset,
+    dst_stride,
+    dst_offset,
+    ALIGN: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    EVEN_W: tl.constexpr,
+):
+    # The one-pass copy (no staging): unit src_units[j] of source region ``slot`` goes to
+    # unit dst_units[j] of destination region ``slot``. Tiling as in _unit_copy_kernel.
+    pid = tl.program_id(0)
+    slot = tl.program_id(1)
+    n_wblocks = tl.cdiv(unit_words, BLOCK_W)
+    ub = pid // n_wblocks
+    wb = pid % n_wblocks
+    j = ub * BLOCK_U + tl.arange(0, BLOCK_U)
+    row_ok = j < n_units
+    su = tl.load(src_units_ptr + j, mask=row_ok, other=0).to(tl.int64)
+    du = tl.load(dst_units_ptr + j, mask=row_ok, other=0).to(tl.int64)
+    src_base = tl.load(src_bases_ptr + slot).to(tl.int64)
+    dst_base = tl.load(dst_bases_ptr + slot).to(tl.int64)
+    src_addr = src_base + src_offset + su * src_stride
+    dst_addr = dst_base + dst_offset + du * dst_stride
+    src_row = tl.multiple_of(src_addr.to(tl.pointer_type(tl.int32)), ALIGN)
+    dst_row = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.int32)), ALIGN)
+    w = wb * BLOCK_W + tl.arange(0, BLOCK_W)
+    if EVEN_W:
+        mask = row_ok[:, None]
+    else:
+        mask = row_ok[:, None] & (w[None, :] < unit_words)
+    v = tl.load(src_row[:, None] + w[None, :], mask=mask)
+    tl.store(dst_row[:, None] + w[None, :], v, mask=mask)
+
+
 _KERNEL: Any = None
+_PAIR_KERNEL: Any = None
 _KERNEL_LOCK = threading.Lock()
 _LAUNCH_LOCK = threading.Lock()
 
@@ -107,6 +150,18 @@ def _triton_kernel() -> Any:
             # n_units and stage change per call: no recompile for n == 1 or for alignment.
             _KERNEL = triton.jit(do_not_specialize=["n_units", "stage"])(_unit_copy_kernel)
         return _KERNEL
+
+
+def _triton_pair_kernel() -> Any:
+    """The jitted one-pass kernel (compiled on first launch, like ``_triton_kernel``)."""
+    global _PAIR_KERNEL
+    _triton_kernel()  # binds ``tl``
+    with _KERNEL_LOCK:
+        if _PAIR_KERNEL is None:
+            import triton
+
+            _PAIR_KERNEL = triton.jit(do_not_specialize=["n_units"])(_pair_copy_kernel)
+        return _PAIR_KERNEL
 
 
 def tile_shape(unit_words: int, tile_bytes: int = TILE_BYTES) -> tuple[int, int, bool]:
@@ -186,6 +241,60 @@ def launch_unit_copy(
         )
     if fast is not None:
         fast.remember(num_warps, args, compiled)
+
+
+def launch_pair_copy(
+    src_bases_t: Any,
+    dst_bases_t: Any,
+    src_units_t: Any,
+    dst_units_t: Any,
+    n: int,
+    unit_len: int,
+    src_stride: int,
+    src_offset: int,
+    dst_stride: int,
+    dst_offset: int,
+    align: int,
+    tile_bytes: int = TILE_BYTES,
+    num_warps: int = NUM_WARPS,
+) -> None:
+    """Launch the one-pass kernel on the current stream: every region pair, ``n`` units.
+    Tensors as for ``launch_unit_copy``; ``align`` divides every address, length, stride
+    and offset (``_align_of``). Triton's own dispatch: one launch per request chunk."""
+    if align < 4:
+        raise ValueError(
+            "the one-pass copy needs 4-byte alignment of unit_len, both strides and offsets "
+            f"and every base (largest common power of two here: {align})"
+        )
+    regions = int(src_bases_t.shape[0])
+    if int(dst_bases_t.shape[0]) != regions:
+        raise ValueError(f"{regions} source regions but {int(dst_bases_t.shape[0])} destinations")
+    if regions > 65535:
+        raise ValueError(f"{regions} regions in one launch: at most 65535")
+    unit_words = unit_len // 4
+    block_u, block_w, even = tile_shape(unit_words, tile_bytes)
+    programs = -(-n // block_u) * -(-unit_words // block_w)
+    if programs >= 1 << 31:
+        raise ValueError("request too large for one launch")
+    kernel = _triton_pair_kernel()
+    with _LAUNCH_LOCK:  # one compile per shape, even when several threads start at once
+        kernel[(programs, regions)](
+            src_bases_t,
+            dst_bases_t,
+            src_units_t,
+            dst_units_t,
+            n,
+            unit_words,
+            src_stride,
+            src_offset,
+            dst_stride,
+            dst_offset,
+            ALIGN=align,
+            BLOCK_U=block_u,
+            BLOCK_W=block_w,
+            EVEN_W=even,
+            num_warps=num_warps,
+        )
 
 
 def _spec(x: int) -> tuple[bool, bool]:
@@ -531,3 +640,146 @@ class TritonCopier(GpuCopier):
                 self.num_warps,
                 self._fast,
             )
+
+    # -- the one-pass copy (source pages -> destination pages, no staging) ---------------
+
+    def pair_copy(
+        self,
+        src_bases: DeviceBases,
+        dst_bases: DeviceBases,
+        src_units: Any,
+        dst_units: Any,
+        unit_len: int,
+        src_stride: int,
+        src_offset: int,
+        dst_stride: int,
+        dst_offset: int,
+        stream: Any = None,
+    ) -> None:
+        """Copy unit ``src_units[j]`` of every source region to unit ``dst_units[j]`` of the
+        destination region in the same slot, in one launch enqueued on ``stream`` (or the
+        current one); never waits. The destination may be a peer's memory mapped by CUDA
+        IPC. Bases: ``prepare_bases`` results (or address arrays); units: ``prepare_units``
+        results (or int arrays, uploaded)."""
+        unit_len, src_stride, src_offset = int(unit_len), int(src_stride), int(src_offset)
+        dst_stride, dst_offset = int(dst_stride), int(dst_offset)
+        _check_geometry(unit_len, src_stride, src_offset, 1)
+        _check_geometry(unit_len, dst_stride, dst_offset, 1)
+        n = _count(src_units)
+        if _count(dst_units) != n:
+            raise ValueError(f"{n} source units but {_count(dst_units)} destination units")
+        if len(src_bases) != len(dst_bases):
+            raise ValueError(f"{len(src_bases)} source regions but {len(dst_bases)} destinations")
+        if n == 0 or len(src_bases) == 0:
+            return
+        args = (src_bases, dst_bases, src_units, dst_units, n, unit_len)
+        geom = (src_stride, src_offset, dst_stride, dst_offset)
+        if stream is not None and self._is_current(stream):  # a bound thread: no scope
+            self._pair_launch(*args, *geom, stream)
+            return
+        with _StreamScope(self.torch, self.device, stream) as s:
+            self._pair_launch(*args, *geom, s)
+
+    def _pair_launch(
+        self,
+        src_bases: Any,
+        dst_bases: Any,
+        src_units: Any,
+        dst_units: Any,
+        n: int,
+        unit_len: int,
+        src_stride: int,
+        src_offset: int,
+        dst_stride: int,
+        dst_offset: int,
+        stream: Any,
+    ) -> None:
+        """``pair_copy`` with ``stream`` current: everything on the device, then launch."""
+        src_t, src_bits = self._device_bases(src_bases, stream)
+        dst_t, dst_bits = self._device_bases(dst_bases, stream)
+        bits = src_bits | dst_bits | dst_stride | dst_offset
+        align = _align_of(bits, unit_len, src_stride, src_offset, 0)
+        if align < 4:
+            raise ValueError(
+                "the one-pass copy needs unit_len, both strides and offsets and every base "
+                f"address to be multiples of 4 (unit_len {unit_len}, src stride {src_stride} "
+                f"offset {src_offset}, dst stride {dst_stride} offset {dst_offset}; they "
+                f"share only {align})"
+            )
+        launch_pair_copy(
+            src_t,
+            dst_t,
+            self._device_units(src_units, stream),
+            self._device_units(dst_units, stream),
+            n,
+            unit_len,
+            src_stride,
+            src_offset,
+            dst_stride,
+            dst_offset,
+            align,
+            self.tile_bytes,
+            self.num_warps,
+        )
+
+    def _device_bases(self, bases: Any, stream: Any) -> tuple[Any, int]:
+        """(int64 tensor the kernel reads, OR of the addresses) for bases of any form."""
+        if isinstance(bases, DeviceBases):
+            return bases.aligned(), bases.bits
+        return self._index.bases(bases, stream)
+
+    def _device_units(self, units: Any, stream: Any) -> Any:
+        """Units the kernel can read: mapped host buffers as they are, device tensors at an
+        aligned address, anything else uploaded (cached by content)."""
+        if isinstance(units, MappedUnits):
+            return units
+        t = self._index.units(units, stream)
+        return _aligned_units(t)
+
+    def warmup_pair(
+        self, unit_len: int, src_stride: int, src_offset: int, dst_stride: int, dst_offset: int
+    ) -> None:
+        """Compile the one-pass kernel for this geometry now (a first launch compiles for
+        a second or so, which a request should not pay) and check the bytes it copies.
+        Raises RuntimeError on a wrong copy."""
+        torch = self.torch
+        with _StreamScope(torch, self.device, None):
+            g = torch.Generator(device="cpu").manual_seed(2)
+
+            def region(nbytes: int) -> Any:
+                r = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+                return r.to(self.device)
+
+            src = [region(src_offset + 3 * src_stride) for _ in range(2)]
+            dst = [region(dst_offset + 3 * dst_stride) for _ in range(2)]
+            want = [d.cpu() for d in dst]
+            su, du = np.array([2, 0], dtype=np.int64), np.array([1, 2], dtype=np.int64)
+            for s, w in zip(src, want, strict=True):
+                s_host = s.cpu()
+                for a, b in zip(su, du, strict=True):
+                    at = dst_offset + int(b) * dst_stride
+                    w[at : at + unit_len] = s_host[src_offset + int(a) * src_stride :][:unit_len]
+            units = self.prepare_units(su), self.prepare_units(du)  # as a request's
+            self.pair_copy(
+                self.prepare_bases(np.array([t.data_ptr() for t in src], dtype=np.uint64)),
+                self.prepare_bases(np.array([t.data_ptr() for t in dst], dtype=np.uint64)),
+                *units,
+                unit_len,
+                src_stride,
+                src_offset,
+                dst_stride,
+                dst_offset,
+            )
+            for u in units:
+                self.release_units(u)
+            ok = all(torch.equal(d.cpu(), w) for d, w in zip(dst, want, strict=True))
+        if not ok:
+            raise RuntimeError(
+                f"the one-pass Triton copy wrote wrong bytes in its self-test (unit_len "
+                f"{unit_len}, src stride {src_stride} offset {src_offset}, dst stride "
+                f"{dst_stride} offset {dst_offset})"
+            )
+
+
+def _count(units: Any) -> int:
+    return int(units.shape[0]) if hasattr(units, "shape") else len(units)

@@ -25,6 +25,7 @@ from sgl_nixl_plugin.engine.descriptors import (
     unit_indices,
 )
 from sgl_nixl_plugin.engine.layout import Geometry, RegionSet
+from sgl_nixl_plugin.engine.one_pass import KernelXfer, OnePassLink
 from sgl_nixl_plugin.engine.staging import RemoteStaging, StagingBuffer
 from sgl_nixl_plugin.registry.spec import AgentConfig
 
@@ -133,6 +134,8 @@ class PeerLink:
 
     name: str
     groups: dict[str, GroupLink] = field(default_factory=dict)
+    # the peer's KV pool mapped through CUDA IPC, when our GPU can reach it (``one_pass``)
+    one_pass: OnePassLink | None = None
 
 
 class TransferEngine:
@@ -240,7 +243,10 @@ class TransferEngine:
         return _Side(dlist, region_offsets(geo.unit_counts(regions)))
 
     def unlink(self, link: PeerLink) -> None:
-        """Release the peer's prepared lists and forget its agent."""
+        """Release the peer's prepared lists and forget its agent; unmap its KV pool once
+        the last one-pass copy into it finished."""
+        if link.one_pass is not None:
+            link.one_pass.close()
         local_shared = {id(s.dlist) for s in self._local_lists.values()}
         for g in link.groups.values():
             self.agent.release_dlist(g.remote.dlist)
@@ -354,6 +360,8 @@ class TransferEngine:
             self.agent.abandon(xfer)
 
     def poll(self, xfer: Xfer) -> str:
+        if isinstance(xfer, KernelXfer):
+            return xfer.poll()
         return self.agent.poll(xfer)
 
     def release(self, xfer: Xfer) -> bool:

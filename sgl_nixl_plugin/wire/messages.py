@@ -69,6 +69,25 @@ class StagingArea(msgspec.Struct, frozen=True):
     device_uuid: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
+class IpcBlock(msgspec.Struct, frozen=True, array_like=True):
+    """One allocation of the decode's GPU memory, exported for CUDA IPC."""
+
+    handle: Annotated[bytes, msgspec.Meta(min_length=64, max_length=64)]
+    base: NonNeg  # its address in the decode's process: regions are translated by range
+    size: Annotated[int, msgspec.Meta(gt=0)]
+
+
+class CudaIpc(msgspec.Struct, frozen=True):
+    """The decode's KV pool as a prefill on a GPU that can map it opens it: a prefill on
+    the same host (``host``: its boot id) and GPU, or an NVLink peer of it, writes the
+    pages in one pass (``engine.one_pass``); any other prefill ignores it."""
+
+    host: Name
+    device_uuid: Annotated[str, msgspec.Meta(max_length=64)]
+    pid: NonNeg
+    blocks: Annotated[list[IpcBlock], msgspec.Meta(max_length=MAX_REGIONS)]
+
+
 class PeerRegistration(msgspec.Struct, frozen=True, tag="reg"):
     """Decode rank -> prefill rank, once per peer pair: who we are and where our memory is."""
 
@@ -93,6 +112,8 @@ class PeerRegistration(msgspec.Struct, frozen=True, tag="reg"):
     pp_rank: NonNeg = 0
     pp_size: Annotated[int, msgspec.Meta(gt=0)] = 1
     draft_entries: NonNeg = 0
+    # the decode's KV pool exported for CUDA IPC (None: not offered, or host memory)
+    ipc: CudaIpc | None = None
 
 
 class RegistrationReply(msgspec.Struct, frozen=True, tag="reg_reply"):

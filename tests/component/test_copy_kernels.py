@@ -2,10 +2,11 @@
 
 CPU: the numpy copier against a per-unit reference (whole pages and head slices, pieces of
 regions, bytes outside the named units untouched), argument checks, the copier choice, and
-the Triton kernel's index arithmetic run by Triton's interpreter on host memory.
+the Triton kernels' index arithmetic (gather/scatter and the one-pass pair copy) run by
+Triton's interpreter on host memory.
 GPU (skipped without CUDA): the Triton and torch copiers byte-exact against the numpy
 copier, with bf16 data, page sizes 1 and 16, head slices, 4-byte-only alignment, device
-units, and two pieces on two streams at once.
+units, and two pieces on two streams at once; the one-pass pair copy likewise.
 """
 
 from __future__ import annotations
@@ -332,6 +333,52 @@ _INTERPRETER_CHECK = textwrap.dedent(
                             unit_len, stride, offset, stage.ctypes.data, align, tile)
         for got, exp in zip(regs, expect, strict=True):
             assert np.array_equal(got, exp), ("scatter", unit_len, stride, offset)
+
+    # the one-pass kernel: source unit su[j] of region r -> destination unit du[j] of region r
+    from sgl_nixl_plugin.engine.copy_triton import launch_pair_copy
+
+    def pair_reference(srcs, dsts, su, du, unit_len, s_stride, s_off, d_stride, d_off):
+        out = [d.copy() for d in dsts]
+        cols = np.arange(unit_len)
+        for o, s in zip(out, srcs, strict=True):
+            o[d_off + du[:, None] * d_stride + cols] = s[s_off + su[:, None] * s_stride + cols]
+        return out
+
+    pair_cases = [  # unit_len, src stride, src offset, dst stride, dst offset, n, R, tile
+        (2048, 2048, 0, 2048, 0, 37, 3, ck.TILE_BYTES),      # page size 1, whole rows
+        (32768, 32768, 0, 32768, 0, 5, 2, ck.TILE_BYTES),    # page size 16: 4 word blocks
+        (128, 256, 128, 512, 384, 20, 2, ck.TILE_BYTES),     # head slices, both sides
+        (48, 64, 4, 56, 8, 33, 2, ck.TILE_BYTES),            # 4-byte alignment, masked words
+        (12, 16, 4, 20, 8, 9, 3, ck.TILE_BYTES),             # three words per unit
+        (2048, 2048, 0, 4096, 1024, 37, 2, 4096),            # a tile smaller than a row set
+    ]
+    for unit_len, s_stride, s_off, d_stride, d_off, n, R, tile in pair_cases:
+        s_items, d_items = n + 11, n + 23  # different pool sizes on the two sides
+        srcs = [rng.integers(0, 256, s_off + s_items * s_stride + 64, dtype=np.uint8)
+                for _ in range(R)]
+        dsts = [rng.integers(0, 256, d_off + d_items * d_stride + 64, dtype=np.uint8)
+                for _ in range(R)]
+        su = rng.choice(s_items, n, replace=False).astype(np.int64)
+        du = rng.choice(d_items, n, replace=False).astype(np.int64)
+        src_before = [a.copy() for a in srcs]
+        geo = (unit_len, s_stride, s_off, d_stride, d_off)
+        want = pair_reference(srcs, dsts, su, du, *geo)
+        if d_off:  # the check can tell: a kernel ignoring dst_offset would write elsewhere
+            wrong = pair_reference(srcs, dsts, su, du, unit_len, s_stride, s_off, d_stride, 0)
+            assert not all(np.array_equal(a, b) for a, b in zip(want, wrong, strict=True))
+        sb = np.array([a.ctypes.data for a in srcs], dtype=np.uint64)
+        db = np.array([a.ctypes.data for a in dsts], dtype=np.uint64)
+        align = ck._alignment(np.concatenate([sb, db]), unit_len, s_stride, s_off | d_off,
+                              d_stride)
+        assert align >= 4, align
+        launch_pair_copy(torch.from_numpy(sb.view(np.int64)), torch.from_numpy(db.view(np.int64)),
+                         torch.from_numpy(su), torch.from_numpy(du.astype(np.int32)), n,
+                         unit_len, s_stride, s_off, d_stride, d_off, align, tile)
+        for k, (got, exp) in enumerate(zip(dsts, want, strict=True)):
+            assert np.array_equal(got, exp), ("pair", geo, "region", k)
+        for got, old in zip(srcs, src_before, strict=True):
+            assert np.array_equal(got, old), ("pair wrote its source", geo)
+    print("pair ok", len(pair_cases))
     print("interpreter ok", len(cases))
     """
 )
@@ -354,6 +401,39 @@ def test_triton_kernel_index_math_in_the_interpreter(tmp_path: Path) -> None:
         timeout=240,
     )
     assert r.returncode == 0 and "interpreter ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "pair ok" in r.stdout
+
+
+def test_pair_copy_refuses_misaligned_or_mismatched_arguments() -> None:
+    """Checked before Triton is touched: 2-byte alignment, region counts that differ."""
+    from sgl_nixl_plugin.engine.copy_triton import launch_pair_copy
+
+    b2, b3 = np.zeros(2, np.int64), np.zeros(3, np.int64)
+    u = np.zeros(4, np.int64)
+    with pytest.raises(ValueError, match="4-byte alignment.*: 2"):
+        launch_pair_copy(b2, b2, u, u, 4, 64, 64, 2, 64, 0, 2)
+    with pytest.raises(ValueError, match="2 source regions but 3"):
+        launch_pair_copy(b2, b3, u, u, 4, 64, 64, 0, 64, 0, 16)
+
+
+def test_pair_copy_alignment_error_names_the_values() -> None:
+    """``TritonCopier.pair_copy``'s own check, on CPU tensors (no GPU: the copier is built
+    without its constructor, and the launch is never reached)."""
+    torch = pytest.importorskip("torch")
+    from sgl_nixl_plugin.engine.copy_device import _DeviceIndex
+    from sgl_nixl_plugin.engine.copy_triton import TritonCopier
+
+    c = TritonCopier.__new__(TritonCopier)
+    c.torch, c.device = torch, torch.device("cpu")
+    c._index = _DeviceIndex(torch, c.device)
+    bases = ck.DeviceBases(torch.tensor([1 << 20, 1 << 21], dtype=torch.int64), 3 << 20)
+    units = torch.arange(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"dst stride 64 offset 6.*share only 2"):
+        c._pair_launch(bases, bases, units, units, 4, 64, 64, 0, 64, 6, None)
+    with pytest.raises(ValueError, match="3 destination units"):
+        c.pair_copy(bases, bases, units, units[:3], 64, 64, 0, 64, 0)
+    with pytest.raises(ValueError, match="overlap"):
+        c.pair_copy(bases, bases, units, units, 64, 64, 0, 32, 0)
 
 
 # -- GPU ---------------------------------------------------------------------------------------
@@ -678,3 +758,65 @@ def test_gpu_copier_pins_its_index_buffers_at_start(torch_cuda) -> None:
     want = np.zeros(2 * 8192 * 2048, dtype=np.uint8)
     NumpyCopier().gather(_host_bases(host), units, 2048, 2048, 0, want.ctypes.data)
     assert np.array_equal(stage.cpu().numpy(), want)
+
+
+@pytest.fixture(scope="module")
+def triton_copier(torch_cuda):
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    return make_copier("VRAM", 0, prefer="triton")
+
+
+def _pair_expected(src_host, dst_host, su, du, unit_len, s_stride, s_off, d_stride, d_off):
+    out = [d.copy() for d in dst_host]
+    cols = np.arange(unit_len)
+    for o, a in zip(out, src_host, strict=True):
+        o[d_off + du[:, None] * d_stride + cols] = a[s_off + su[:, None] * s_stride + cols]
+    return out
+
+
+@gpu
+@pytest.mark.parametrize(
+    "unit_len, s_stride, s_off, d_stride, d_off",
+    [
+        (ROW, ROW, 0, ROW, 0),  # page size 1
+        (16 * ROW, 16 * ROW, 0, 16 * ROW, 0),  # page size 16
+        (128, 256, 128, 512, 384),  # head slices on both sides
+        (48, 64, 4, 56, 8),  # 4-byte alignment only
+    ],
+)
+@pytest.mark.parametrize("units_as", ["numpy", "prepared", "int32"])
+def test_gpu_pair_copy_matches_numpy(
+    torch_cuda, triton_copier, unit_len, s_stride, s_off, d_stride, d_off, units_as
+) -> None:
+    torch, c = torch_cuda, triton_copier
+    c.warmup_pair(unit_len, s_stride, s_off, d_stride, d_off)
+    rng = np.random.default_rng(unit_len + d_off)
+    n, s_items, d_items = 41, 96, 120
+    src = DeviceRegions(torch, 6, s_off + s_items * s_stride, "bf16", seed=1)
+    dst = DeviceRegions(torch, 6, d_off + d_items * d_stride, "bytes", seed=2)
+    su = rng.choice(s_items, n, replace=False).astype(np.int64)
+    du = rng.choice(d_items, n, replace=False).astype(np.int64)
+    want = _pair_expected(
+        src.host(), dst.host(), su, du, unit_len, s_stride, s_off, d_stride, d_off
+    )
+    if units_as == "numpy":
+        args = (src.bases, dst.bases, su, du)
+    elif units_as == "int32":
+        args = (
+            c.prepare_bases(src.bases),
+            c.prepare_bases(dst.bases),
+            torch.as_tensor(su, dtype=torch.int32, device="cuda"),
+            torch.as_tensor(du, dtype=torch.int32, device="cuda"),
+        )
+    else:
+        args = (c.prepare_bases(src.bases), c.prepare_bases(dst.bases))
+        args += (c.prepare_units(su), c.prepare_units(du))
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()  # regions, bases and units were uploaded on the current stream
+    c.pair_copy(*args, unit_len, s_stride, s_off, d_stride, d_off, stream=stream)
+    stream.synchronize()
+    for k, (got, exp) in enumerate(zip(dst.host(), want, strict=True)):
+        assert np.array_equal(got, exp), f"region {k}"
+    with pytest.raises(ValueError, match="multiples of 4"):
+        c.pair_copy(src.bases, dst.bases, su, du, unit_len, s_stride, s_off, d_stride, d_off + 2)

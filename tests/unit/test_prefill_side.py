@@ -147,7 +147,7 @@ def side():
         server_socket=None,
         mem_kind="DRAM",
     )
-    link = SimpleNamespace(name=AGENT, groups={})
+    link = SimpleNamespace(name=AGENT, groups={}, one_pass=None)
     ctx.peers.accepted[AGENT] = DecodePeer(AGENT, link, None, ("127.0.0.1", 7001))
     worker = TransferWorker(ctx, 0)
     return SimpleNamespace(ctx=ctx, sg=sg, engine=engine, worker=worker)

@@ -38,7 +38,9 @@ from sgl_nixl_plugin.wire.messages import (
     Abort,
     AbortAck,
     Compat,
+    CudaIpc,
     IndexSpec,
+    IpcBlock,
     Message,
     PeerRegistration,
     PieceDone,
@@ -120,6 +122,19 @@ peer_registrations = st.builds(
     aux=st.lists(regions, max_size=4),
     state=st.lists(st.lists(regions, max_size=3), max_size=3),
     staging=stagings,
+    ipc=st.none()
+    | st.builds(
+        CudaIpc,
+        host=names,
+        device_uuid=st.text(max_size=64),
+        pid=nonneg,
+        blocks=st.lists(
+            st.builds(
+                IpcBlock, handle=st.binary(min_size=64, max_size=64), base=nonneg, size=positive
+            ),
+            max_size=4,
+        ),
+    ),
 )
 registration_replies = st.builds(
     RegistrationReply,
@@ -894,3 +909,22 @@ def test_a_refusal_in_the_peers_version_reads_as_a_refusal_there():
     got = Codec().decode(frames)
     assert isinstance(got.msg, ForeignReply) and not got.msg.accepted and got.msg.version == 2
     assert "mismatch" in got.msg.reason and (got.msg.ip, got.msg.port) == ("127.0.0.1", 7)
+
+
+@pytest.mark.parametrize("length", [0, 63, 65])
+def test_an_ipc_handle_of_any_other_length_than_64_bytes_is_refused(length):
+    """A CUDA IPC handle is 64 bytes: anything else never reaches cudaIpcOpenMemHandle."""
+    reg = PeerRegistration(
+        compat=Compat(PROTOCOL_VERSION, "bf16", 16, 2, False),
+        compat_hash="h",
+        agent_name="d",
+        agent_metadata=b"m",
+        ip="127.0.0.1",
+        port=1,
+        tp_rank=0,
+        tp_size=1,
+        kv=[],
+        aux=[],
+        ipc=CudaIpc(host="h", device_uuid="u", pid=1, blocks=[IpcBlock(b"x" * length, 0, 1)]),
+    )
+    _only_rejection(Codec(), Codec().encode(reg), "malformed")

@@ -1,0 +1,116 @@
+"""One-pass transfers through CUDA IPC, both halves: the decode offers its KV pool in its
+registration; a prefill whose GPU can map it maps it and writes pages with one kernel
+(``engine.one_pass``). Anything that rules it out leaves the other paths as they were."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sgl_nixl_plugin.engine.engine import Memory, PeerLink
+from sgl_nixl_plugin.settings import Settings
+from sgl_nixl_plugin.wire.messages import CudaIpc, IpcBlock, PeerRegistration
+
+logger = logging.getLogger(__name__)
+
+
+def allowed(settings: Settings) -> bool:
+    """Whether the settings leave one-pass transfers on (``direct``/``staging`` forbid)."""
+    return settings.cuda_ipc and settings.transfer_path in ("auto", "ipc")
+
+
+def offer(settings: Settings, memory: Memory, gpu: int) -> CudaIpc | None:
+    """The decode's KV pool exported for CUDA IPC, or None (host memory, turned off, or
+    not exportable: e.g. allocations of CUDA's virtual memory API)."""
+    if not allowed(settings) or memory.kv.mem_kind != "VRAM" or not len(memory.kv):
+        return None
+    from sgl_nixl_plugin.engine import cuda_ipc
+
+    if not cuda_ipc.available():
+        return None
+    try:
+        export = cuda_ipc.export_ranges(list(zip(memory.kv.ptrs, memory.kv.lens, strict=True)), gpu)
+    except cuda_ipc.IpcError as exc:
+        logger.info("sgl-nixl: KV pool not offered for one-pass transfers: %s", exc)
+        return None
+    return CudaIpc(
+        host=export.host,
+        device_uuid=export.device_uuid,
+        pid=export.pid,
+        blocks=[IpcBlock(b.handle, b.base, b.size) for b in export.blocks],
+    )
+
+
+def attach(
+    *,
+    settings: Settings,
+    link: PeerLink,
+    reg: PeerRegistration,
+    remote: Memory,
+    copier: Any,
+    stream: Any,
+    gpu: int,
+    local_uuid: str,
+) -> str:
+    """Map a registering decode's KV pool onto ``link`` when this prefill can use it; what
+    to add to the "connected" log line ("" when the decode offered nothing)."""
+    g = link.groups.get("kv")
+    if reg.ipc is None or g is None or g.local_regions is None or not allowed(settings):
+        return ""
+    if g.local_regions.mem_kind != "VRAM" or not hasattr(copier, "pair_copy"):
+        return ", one-pass off (needs the Triton copier on GPU memory)"
+    from sgl_nixl_plugin.engine.one_pass import open_link
+
+    try:
+        link.one_pass = open_link(
+            reg.ipc,
+            peer=link.name,
+            local=g.local_regions,
+            remote_ptrs=remote.kv.ptrs,
+            geometry=g.geometry,
+            device=gpu,
+            local_uuid=local_uuid,
+        )
+    except ValueError as exc:
+        return f", one-pass off ({exc})"
+    op = link.one_pass
+    try:
+        ms = _warm(op, copier, stream, settings.warmup_timeout_s)
+    except Exception as exc:  # the mapping or the kernel does not work here: not offered
+        link.one_pass = None
+        op.close()
+        logger.warning("sgl-nixl: decode %s: one-pass warm-up failed: %s", reg.agent_name, exc)
+        return f", one-pass off (warm-up failed: {exc})"
+    where = "this GPU" if op.same_device else "a peer GPU"
+    return f", one-pass writes into its pool on {where} (CUDA IPC, warm-up {ms:.1f} ms)"
+
+
+def _warm(op: Any, copier: Any, stream: Any, timeout_s: float) -> float:
+    """Compile the kernel for this link's shape (checked on local buffers), then copy our
+    padding page into the decode's (item 0 on both sides: SGLang's allocators start at 1)
+    through the mapping: the first request pays neither; milliseconds."""
+    import time
+
+    started = time.monotonic()
+    geo = op.geometry
+    warm = getattr(copier, "warmup_pair", None)
+    if warm is not None:
+        warm(
+            op.unit_len,
+            geo.src_stride or op.unit_len,
+            geo.src_offset,
+            geo.dst_stride or op.unit_len,
+            geo.dst_offset,
+        )
+    import numpy as np
+
+    zero = np.zeros(1, dtype=np.int64)
+    xfer = op.write(copier, zero, zero, stream)
+    deadline = time.monotonic() + max(timeout_s, 1.0)
+    while xfer.poll() == "PROC":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"padding-page copy still running after {timeout_s:.1f}s")
+        time.sleep(0.0002)
+    if xfer.state != "DONE":
+        raise RuntimeError(xfer.error)
+    return (time.monotonic() - started) * 1e3
