@@ -5,7 +5,10 @@ registration; a prefill whose GPU can map it maps it and writes pages with one k
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
+
+import numpy as np
 
 from sgl_nixl_plugin.engine.engine import Memory, PeerLink
 from sgl_nixl_plugin.settings import Settings
@@ -89,8 +92,6 @@ def _warm(op: Any, copier: Any, stream: Any, timeout_s: float) -> float:
     """Compile the kernel for this link's shape (checked on local buffers), then copy our
     padding page into the decode's (item 0 on both sides: SGLang's allocators start at 1)
     through the mapping: the first request pays neither; milliseconds."""
-    import time
-
     started = time.monotonic()
     geo = op.geometry
     warm = getattr(copier, "warmup_pair", None)
@@ -102,8 +103,6 @@ def _warm(op: Any, copier: Any, stream: Any, timeout_s: float) -> float:
             geo.dst_stride or op.unit_len,
             geo.dst_offset,
         )
-    import numpy as np
-
     zero = np.zeros(1, dtype=np.int64)
     xfer = op.write(copier, zero, zero, stream)
     deadline = time.monotonic() + max(timeout_s, 1.0)
