@@ -23,6 +23,12 @@ wait of the bench's poll loops between polls (500 us; 0 spins), ``--no-bell`` ma
 sleep that long without waking on a status change (the loops before the bell), to measure
 what the loop itself costs. ``--switch-interval-us`` sets the rank processes' GIL switch
 interval (Python's default is 5 ms), to see what the threads' wait for the GIL costs.
+A rank still running after ``--stack-dump-s`` seconds prints every thread's stack to its
+stderr (a stalled run says where it waits).
+
+On the one-pass path (CUDA IPC) there are no pieces: the prefill rows are the worker's
+launch (``_one_pass`` entered and returned) and the first poll that saw the copy's event
+complete.
 
     python3 benchmarks/product_timeline.py --mem VRAM --page-size 16 --requests 24 \
         --min-tokens 4096 --max-tokens 8192 --concurrency 1 --no-verify --label p16_c1
@@ -196,6 +202,60 @@ def _install(role: str, poll_wait_us: float, bell: bool) -> None:
 
         _patch(TransferWorker, "_step_jobs", before=keep_traces)
 
+        from sgl_nixl_plugin.engine.one_pass import KernelXfer
+
+        kernel_rooms: dict[int, int] = {}  # id(KernelXfer) -> room
+
+        entered: dict[int, float] = {}  # room -> when the worker entered ``_one_pass``
+
+        def one_pass_in(self: Any, rec: Any, *a: Any, **kw: Any) -> None:
+            entered[rec.room] = _now()
+            current["room"] = rec.room
+
+        def one_pass_out(self: Any, out: Any, rec: Any, *a: Any, **kw: Any) -> None:
+            t0 = entered.pop(rec.room, None)
+            if out is not None:  # it launched (None: the chunk takes another path)
+                kernel_rooms[id(out)] = rec.room
+                _ev("p_op_launch0", rec.room, t=t0)
+                _ev("p_op_launch1", rec.room)
+
+        _patch(TransferWorker, "_one_pass", before=one_pass_in, after=one_pass_out)
+
+        def kernel_polled(self: Any, out: Any, *a: Any, **kw: Any) -> None:
+            room = kernel_rooms.get(id(self))
+            if room is not None and out != "PROC":
+                del kernel_rooms[id(self)]
+                _ev("p_op_done", room, out)
+
+        _patch(KernelXfer, "poll", after=kernel_polled)
+
+        # the launch's host steps, stamped with the room the worker is launching for
+        current: dict[str, int] = {"room": -1}
+        import sgl_nixl_plugin.engine.one_pass as one_pass_mod
+        from sgl_nixl_plugin.engine.copy_triton import TritonCopier
+
+        def stamp(step: str) -> Any:
+            return lambda *a, **kw: _ev("p_op_step", current["room"], step)
+
+        for name in ("prepare_units", "prepare_bases", "pair_copy", "release_units"):
+            _patch(TritonCopier, name, before=stamp(f"{name}0"), after=stamp(f"{name}1"))
+        real_units = one_pass_mod.unit_indices_of
+
+        def unit_indices_of(*a: Any, **kw: Any) -> Any:
+            stamp("unit_indices0")()
+            out = real_units(*a, **kw)
+            stamp("unit_indices1")()
+            return out
+
+        one_pass_mod.unit_indices_of = unit_indices_of
+        from sgl_nixl_plugin.adapter.manager import NixlPluginKVManager
+
+        _patch(
+            NixlPluginKVManager,
+            "_encode_kv_status_message",
+            before=lambda self, *a, **kw: _ev("p_status_enc", kw.get("bootstrap_room", -1)),
+        )
+
         def on_msg(self: Any, msg: Any, *a: Any, **kw: Any) -> None:
             _ev("p_rx", getattr(msg, "room", -1), type(msg).__name__)
 
@@ -251,8 +311,11 @@ def _install(role: str, poll_wait_us: float, bell: bool) -> None:
 
 def _probed_rank(spec: Any, out: Any, done: Any, release: Any, opts: dict[str, Any]) -> None:
     """A rank process (as ``session._rank_process``) with the probes installed."""
+    import faulthandler
+
     from sgl_nixl_plugin.bench.rank import rank_main
 
+    faulthandler.dump_traceback_later(opts["stack_dump_s"], exit=False)
     if opts["switch_us"]:  # how long a thread waits for the GIL before asking for it
         sys.setswitchinterval(opts["switch_us"] * 1e-6)
     try:
@@ -282,6 +345,16 @@ STEPS = [  # (label, side, how to find it): medians over steady rooms, ms after 
     ("T0 prefill bench sees WaitingForInput", "p_poll:WaitingForInput"),
     ("prefill bench: init()+send() returned", "p_send1"),
     ("worker claimed the chunk", "m:claimed_at"),
+    ("one pass: worker enters the launch", "p_op_launch0"),
+    ("one pass: source units computed", "p_op_step:first:unit_indices1"),
+    ("one pass: destination units computed", "p_op_step:last:unit_indices1"),
+    ("one pass: units prepared (both)", "p_op_step:last:prepare_units1"),
+    ("one pass: bases prepared (both)", "p_op_step:last:prepare_bases1"),
+    ("one pass: pair_copy entered", "p_op_step:first:pair_copy0"),
+    ("one pass: pair_copy returned", "p_op_step:first:pair_copy1"),
+    ("one pass: units released", "p_op_step:last:release_units1"),
+    ("one pass: launch returned", "p_op_launch1"),
+    ("one pass: copy seen done (event)", "p_op_done:DONE"),
     ("first gather: index upload begins", "tr:first gather"),
     ("indices ready (uploaded)", "tr:indices ready"),
     ("first gather launched", "tr:first:gather launched"),
@@ -298,6 +371,7 @@ STEPS = [  # (label, side, how to find it): medians over steady rooms, ms after 
     ("decode: last PieceReady received", "d_rx:last:PieceReady"),
     ("decode: last piece scattered", "d_out:last:PieceReady"),
     ("prefill room ended (all WRITEs, status next)", "m:ended"),
+    ("prefill: status encoded (sent next)", "p_status_enc"),
     ("decode: TransferStatus received", "d_rx:TransferStatus"),
     ("decode: status applied (behind scatters)", "d_out:TransferStatus"),
     ("T1 decode bench sees Success", "d_poll:Success"),
@@ -368,6 +442,10 @@ def analyse(out_dir: Path, label: str) -> dict[str, Any]:
             rec["engine_like_ms"] = (r["d_out:last:PieceReady"] - r["tr:first gather"]) * 1e3
         if "tr:first gather" in r and "d_out:TransferStatus" in r:
             rec["gather_to_applied_ms"] = (r["d_out:TransferStatus"] - r["tr:first gather"]) * 1e3
+        if "p_op_launch0" in r and "p_op_done:DONE" in r:  # one pass: launch to copy seen done
+            rec["engine_like_ms"] = (r["p_op_done:DONE"] - r["p_op_launch0"]) * 1e3
+        if "p_op_launch0" in r and "d_rx:TransferStatus" in r:  # to the status received
+            rec["gather_to_applied_ms"] = (r["d_rx:TransferStatus"] - r["p_op_launch0"]) * 1e3
         if "p_poll:WaitingForInput" in r and "d_meta1" in r:
             rec["prefill_late_ms"] = (r["p_poll:WaitingForInput"] - r["d_meta1"]) * 1e3
         per_room.append(rec)
@@ -416,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poll-wait-us", type=float, default=500.0)
     p.add_argument("--no-bell", action="store_true")
     p.add_argument("--switch-interval-us", type=float, default=0.0)
+    p.add_argument("--stack-dump-s", type=float, default=60.0)
     mine, rest = p.parse_known_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from sgl_nixl_plugin.bench import session as S
@@ -441,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         "poll_wait_us": mine.poll_wait_us,
         "bell": not mine.no_bell,
         "switch_us": mine.switch_interval_us,
+        "stack_dump_s": mine.stack_dump_s,
     }
     sess = S.Session(cfg)
     for spec in sess.specs:  # Session.start, with the probed entry point

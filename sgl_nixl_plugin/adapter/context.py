@@ -163,3 +163,6 @@ class DecodeContext(SideBase):
     staging: Any = None  # DecodeStaging when the staging path is on
     refused: dict[Endpoint, tuple[str, float]] = field(default_factory=dict)
     warmup: Any = None  # DecodeWarmup
+    # prefill ranks that write our KV pages in one pass (their RegistrationReply said so):
+    # their requests get no staging slots
+    one_pass: set[Endpoint] = field(default_factory=set)

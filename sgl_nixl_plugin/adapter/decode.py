@@ -111,9 +111,15 @@ class DecodeListener(ControlLoop):
                 self.side.forget_endpoint((msg.ip, msg.port))  # it lost our registration
             elif not msg.accepted:
                 self.side.on_refused((msg.ip, msg.port), msg.reason)
-            elif isinstance(msg, RegistrationReply) and staging is not None:
-                # before any piece of that rank: its pieces come after this reply
-                staging.set_window((msg.ip, msg.port), tuple(msg.kv_window))
+            elif isinstance(msg, RegistrationReply):
+                endpoint = (msg.ip, msg.port)
+                if msg.one_pass:
+                    ctx.one_pass.add(endpoint)
+                else:
+                    ctx.one_pass.discard(endpoint)
+                if staging is not None:
+                    # before any piece of that rank: its pieces come after this reply
+                    staging.set_window(endpoint, tuple(msg.kv_window))
         elif isinstance(msg, Ping):
             me = ctx.me
             ctx.send((msg.ip, msg.port), Pong(me.name, msg.seq, me.ip, me.port))

@@ -65,6 +65,7 @@ class DecodePolicy:
         (and registers again). ``disconnect`` also closes the socket, for a peer that is
         gone; a live one keeps it, so that messages queued on it (aborts) still leave."""
         self.ctx.sglang.forget_prefill_endpoint(endpoint, disconnect)
+        self.ctx.one_pass.discard(endpoint)
         if self.ctx.warmup is not None:
             self.ctx.warmup.forget(endpoint)
 

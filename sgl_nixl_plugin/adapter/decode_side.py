@@ -43,16 +43,22 @@ class DecodeSide:
     def staging_area(self) -> StagingArea | None:
         return self.ctx.staging.area() if self.ctx.staging is not None else None
 
-    def request(self, room: int, pages: np.ndarray, staged: bool, dummy: bool = False) -> list[int]:
-        """One transfer request of ``room`` is being built: the slots granted in it (to the
-        prefill rank it goes to; SGLang builds them in ``bootstrap_infos`` order)."""
+    def request(
+        self, room: int, pages: np.ndarray, staged: bool, dummy: bool = False, host: bool = False
+    ) -> tuple[list[int], bool]:
+        """One transfer request of ``room`` is being built, to the prefill rank next in
+        SGLang's ``bootstrap_infos`` order: (the slots granted in it, whether it asks for
+        staged pieces). A rank that writes our device pages in one pass gets no slots."""
         target = self.ctx.rooms.next_target(room)
         if dummy:
-            return []
+            return [], False
         self.listener.expect_data()
+        if not host and target in self.ctx.one_pass:
+            staged = False
         if not staged or self.ctx.staging is None:
-            return []
-        return self.ctx.staging.grant(room, pages, target, self.ctx.sglang.senders_of(room))
+            return [], False
+        grant = self.ctx.staging.grant
+        return grant(room, pages, target, self.ctx.sglang.senders_of(room)), True
 
     def close_room(self, room: int, ok: bool) -> None:
         """SGLang cleared the receiver: the room's record goes, its slots return."""

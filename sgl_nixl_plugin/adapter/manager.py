@@ -385,7 +385,7 @@ class NixlPluginKVManager(CommonKVManager):
             and len(kv) > 0
             and (not host or staging.host_capable)
         )
-        slots = self.decode.request(bootstrap_room, kv, staged, bool(is_dummy))
+        slots, staged = self.decode.request(bootstrap_room, kv, staged, bool(is_dummy), host)
         req = TransferRequest(
             room=bootstrap_room,
             agent_name=self.engine.name,

@@ -202,10 +202,11 @@ class PrefillControl(ControlLoop):
         reason: str = "",
         retry: bool = False,
         window: tuple[int, ...] | None = None,
+        one_pass: bool = False,
     ) -> None:
         me = self.ctx.me
         reply = RegistrationReply(
-            agent, me.rank, not reason, reason, me.ip, me.port, retry, list(window or ())
+            agent, me.rank, not reason, reason, me.ip, me.port, retry, list(window or ()), one_pass
         )
         self.ctx.send(endpoint, reply)
 
@@ -239,7 +240,12 @@ class PrefillControl(ControlLoop):
         if known is not None and known.reg == reg:
             # The same decode process registering again (its cache was reset): keep the link.
             known.last_seen = time.monotonic()
-            self._reply(endpoint, reg.agent_name, window=known.window)
+            self._reply(
+                endpoint,
+                reg.agent_name,
+                window=known.window,
+                one_pass=known.link.one_pass is not None,
+            )
             return
         if known is not None:
             self.drop_peer(reg.agent_name, "re-registered with a different layout")
@@ -344,7 +350,13 @@ class PrefillControl(ControlLoop):
                 f", warm-up WRITE {warm_ms:.1f} ms" if warm_ms is not None else "",
                 one_pass,
             )
-        self._reply(endpoint, reg.agent_name, reason, window=window)
+        self._reply(
+            endpoint,
+            reg.agent_name,
+            reason,
+            window=window,
+            one_pass=not reason and link is not None and link.one_pass is not None,
+        )
 
     def _warm(self, link: PeerLink, agent: str, staging: RemoteStaging | None) -> float | None:
         """The first WRITEs to a new decode, into its padding page and (staged path) its

@@ -94,6 +94,7 @@ class TransferWorker:
         # until the next put while its room waited to post)
         self.queue: queue.Queue[Any] = queue.Queue()
         self.active: dict[int, PrefillRoom] = {}  # the rooms this worker claimed
+        self.kernels = 0  # one-pass copies in flight (each ends in ~1 ms: poll at once)
         self._backoff = self.MIN_BACKOFF_S
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"sgl-nixl-xfer-{index}", daemon=True)
@@ -134,10 +135,10 @@ class TransferWorker:
                     elif chunk is not _WAKE:
                         self._submit(chunk)
                     chunk = self.queue.get_nowait() if not self.queue.empty() else None
-                staged = any(
+                quick = self.kernels > 0 or any(
                     j.send.needs_polling for r in self.active.values() for j in r.jobs
-                ) or any(isinstance(x, KernelXfer) for r in self.active.values() for x in r.xfers)
-                if self._poll() == 0 and busy and not staged:
+                )
+                if self._poll() == 0 and busy and not quick:
                     # staged pieces move in ~0.1 ms steps (gather done, WRITE done, slot
                     # freed): keep the shortest wait while any is in flight
                     self._backoff = min(self._backoff * 2, self.MAX_BACKOFF_S)
@@ -237,6 +238,8 @@ class TransferWorker:
         if x is None:
             return
         rec.xfers.append(x)
+        if isinstance(x, KernelXfer):
+            self.kernels += 1
         rec.note_post()
         rec.nbytes += x.nbytes
         rec.descriptors += x.descriptors
@@ -251,15 +254,10 @@ class TransferWorker:
         dst: np.ndarray,
     ) -> Any:
         """Launch the chunk's one-pass copy into the decode's mapped pool when the link has
-        one (device pages; ``TRANSFER_PATH`` auto or ipc); the transfer, else None."""
+        one (mapped at registration where the settings allow it) and the destination is
+        the decode's device pool; the transfer, else None."""
         ctx, op = self.ctx, peer.link.one_pass
-        if (
-            op is None
-            or info.groups
-            or not len(src)
-            or ctx.copier is None
-            or ctx.settings.transfer_path not in ("auto", "ipc")
-        ):
+        if op is None or info.groups or not len(src) or ctx.copier is None:
             return None
         xfer = op.write(ctx.copier, src, dst, ctx.copy_stream)
         if not any(j.info.agent == info.agent for j in rec.jobs):
@@ -511,6 +509,7 @@ class TransferWorker:
                     if (
                         state == "PROC"
                         and rec.stopping
+                        and not isinstance(x, KernelXfer)  # a kernel ends; until then it writes
                         and time.perf_counter() - x.started > stuck_after
                     ):
                         ctx.engine.agent.abandon(x)  # its peer is gone: it will never settle
@@ -521,6 +520,8 @@ class TransferWorker:
                         remaining.append(x)
                         continue
                     settled += 1
+                    if isinstance(x, KernelXfer):
+                        self.kernels -= 1
                     if state == "DONE" and (t := ctx.engine.agent.telemetry(x)):
                         metrics.telemetry(t)
                         rec.nixl_post_us += t["post_us"]

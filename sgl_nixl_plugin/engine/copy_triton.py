@@ -220,7 +220,7 @@ def launch_unit_copy(
         block_w,
         even,
     )
-    if fast is not None and fast.launch((programs, regions), num_warps, args):
+    if fast is not None and fast.launch("unit", (programs, regions), num_warps, args):
         return
     kernel = _triton_kernel()
     with _LAUNCH_LOCK:  # one compile per shape, even when several threads start at once
@@ -240,7 +240,7 @@ def launch_unit_copy(
             num_warps=num_warps,
         )
     if fast is not None:
-        fast.remember(num_warps, args, compiled)
+        fast.remember("unit", num_warps, args, compiled)
 
 
 def launch_pair_copy(
@@ -257,10 +257,11 @@ def launch_pair_copy(
     align: int,
     tile_bytes: int = TILE_BYTES,
     num_warps: int = NUM_WARPS,
+    fast: _FastLaunch | None = None,
 ) -> None:
     """Launch the one-pass kernel on the current stream: every region pair, ``n`` units.
     Tensors as for ``launch_unit_copy``; ``align`` divides every address, length, stride
-    and offset (``_align_of``). Triton's own dispatch: one launch per request chunk."""
+    and offset (``_align_of``). With ``fast``, as there."""
     if align < 4:
         raise ValueError(
             "the one-pass copy needs 4-byte alignment of unit_len, both strides and offsets "
@@ -276,25 +277,32 @@ def launch_pair_copy(
     programs = -(-n // block_u) * -(-unit_words // block_w)
     if programs >= 1 << 31:
         raise ValueError("request too large for one launch")
+    args = (
+        src_bases_t,
+        dst_bases_t,
+        src_units_t,
+        dst_units_t,
+        n,
+        unit_words,
+        src_stride,
+        src_offset,
+        dst_stride,
+        dst_offset,
+        align,
+        block_u,
+        block_w,
+        even,
+    )
+    if fast is not None and fast.launch("pair", (programs, regions), num_warps, args):
+        return
     kernel = _triton_pair_kernel()
     with _LAUNCH_LOCK:  # one compile per shape, even when several threads start at once
-        kernel[(programs, regions)](
-            src_bases_t,
-            dst_bases_t,
-            src_units_t,
-            dst_units_t,
-            n,
-            unit_words,
-            src_stride,
-            src_offset,
-            dst_stride,
-            dst_offset,
-            ALIGN=align,
-            BLOCK_U=block_u,
-            BLOCK_W=block_w,
-            EVEN_W=even,
+        compiled = kernel[(programs, regions)](
+            *args[:10], ALIGN=align, BLOCK_U=block_u, BLOCK_W=block_w, EVEN_W=even,
             num_warps=num_warps,
-        )
+        )  # fmt: skip
+    if fast is not None:
+        fast.remember("pair", num_warps, args, compiled)
 
 
 def _spec(x: int) -> tuple[bool, bool]:
@@ -322,28 +330,29 @@ class _FastLaunch:
         except Exception:  # older Triton: hooks live on CompiledKernel
             self._hooks = None
 
-    @staticmethod
-    def _key(num_warps: int, args: tuple) -> tuple:
-        bases_t, units_t, _, _, unit_words, stride, offset = args[:7]
+    # per kernel: (pointer arguments, integer arguments Triton specializes, first constexpr)
+    _LAYOUT = {"unit": ((0, 1), (4, 5, 6), 7), "pair": ((0, 1, 2, 3), (5, 6, 7, 8, 9), 10)}
+
+    @classmethod
+    def _key(cls, kind: str, num_warps: int, args: tuple) -> tuple:
+        ptrs, ints, const = cls._LAYOUT[kind]
         return (
+            kind,
             num_warps,
-            *args[7:],
-            units_t.dtype,
-            bases_t.data_ptr() % 16 == 0,
-            units_t.data_ptr() % 16 == 0,
-            _spec(unit_words),
-            _spec(stride),
-            _spec(offset),
+            *args[const:],
+            *(args[i].dtype for i in ptrs),
+            *(args[i].data_ptr() % 16 == 0 for i in ptrs),
+            *(_spec(args[i]) for i in ints),
         )
 
-    def remember(self, num_warps: int, args: tuple, compiled: Any) -> None:
+    def remember(self, kind: str, num_warps: int, args: tuple, compiled: Any) -> None:
         if self.enabled and compiled is not None and hasattr(compiled, "run"):
-            self._kernels[self._key(num_warps, args)] = compiled
+            self._kernels[self._key(kind, num_warps, args)] = compiled
 
-    def launch(self, grid: tuple[int, int], num_warps: int, args: tuple) -> bool:
+    def launch(self, kind: str, grid: tuple[int, int], num_warps: int, args: tuple) -> bool:
         if not self.enabled:
             return False
-        ck = self._kernels.get(self._key(num_warps, args))
+        ck = self._kernels.get(self._key(kind, num_warps, args))
         if ck is None:
             return False
         try:
@@ -386,6 +395,7 @@ class TritonCopier(GpuCopier):
         self.num_warps = num_warps
         self._index = _DeviceIndex(torch, self.device)
         self._fast = _FastLaunch(torch)
+        self._fast_pair = _FastLaunch(torch)  # checked apart, by ``warmup_pair``
         self._prepared: dict[tuple[bytes, int], DeviceBases] = {}
         self._map_units = False
         self._mapped_ok: bool | None = None  # the self-test's verdict, once run
@@ -449,13 +459,14 @@ class TritonCopier(GpuCopier):
                 return mapped
         return super().prepare_units(units, stream)
 
-    def release_units(self, units: Any, stream: Any = None) -> None:
+    def release_units(self, units: Any, stream: Any = None, event: Any = None) -> None:
         """Done with ``units`` from ``prepare_units``: a mapped buffer is reused once the
-        work queued on ``stream`` so far (the gathers that read it) has run."""
+        work queued on ``stream`` so far (the gathers that read it) has run, or once
+        ``event`` (recorded after that work) has passed."""
         if isinstance(units, MappedUnits):
-            if stream is None:
+            if stream is None and event is None:
                 stream = self.torch.cuda.current_stream(self.device)
-            self._mapped.give(units, stream)
+            self._mapped.give(units, stream, event)
 
     def bind(self, stream: Any) -> None:
         """Make ``stream`` (on our device) the calling thread's current one, so that calls
@@ -720,6 +731,7 @@ class TritonCopier(GpuCopier):
             align,
             self.tile_bytes,
             self.num_warps,
+            self._fast_pair,
         )
 
     def _device_bases(self, bases: Any, stream: Any) -> tuple[Any, int]:
@@ -740,8 +752,9 @@ class TritonCopier(GpuCopier):
         self, unit_len: int, src_stride: int, src_offset: int, dst_stride: int, dst_offset: int
     ) -> None:
         """Compile the one-pass kernel for this geometry now (a first launch compiles for
-        a second or so, which a request should not pay) and check the bytes it copies.
-        Raises RuntimeError on a wrong copy."""
+        a second or so, which a request should not pay) and check the bytes it copies, by
+        Triton's dispatch and then by the fast launch (which is turned off if it copies
+        wrong). Raises RuntimeError on a wrong copy by Triton's dispatch."""
         torch = self.torch
         with _StreamScope(torch, self.device, None):
             g = torch.Generator(device="cpu").manual_seed(2)
@@ -752,6 +765,7 @@ class TritonCopier(GpuCopier):
 
             src = [region(src_offset + 3 * src_stride) for _ in range(2)]
             dst = [region(dst_offset + 3 * dst_stride) for _ in range(2)]
+            before = [d.clone() for d in dst]
             want = [d.cpu() for d in dst]
             su, du = np.array([2, 0], dtype=np.int64), np.array([1, 2], dtype=np.int64)
             for s, w in zip(src, want, strict=True):
@@ -759,25 +773,33 @@ class TritonCopier(GpuCopier):
                 for a, b in zip(su, du, strict=True):
                     at = dst_offset + int(b) * dst_stride
                     w[at : at + unit_len] = s_host[src_offset + int(a) * src_stride :][:unit_len]
-            units = self.prepare_units(su), self.prepare_units(du)  # as a request's
-            self.pair_copy(
+            bases = (
                 self.prepare_bases(np.array([t.data_ptr() for t in src], dtype=np.uint64)),
                 self.prepare_bases(np.array([t.data_ptr() for t in dst], dtype=np.uint64)),
-                *units,
-                unit_len,
-                src_stride,
-                src_offset,
-                dst_stride,
-                dst_offset,
             )
-            for u in units:
-                self.release_units(u)
-            ok = all(torch.equal(d.cpu(), w) for d, w in zip(dst, want, strict=True))
-        if not ok:
+            verdicts = []
+            for _ in range(2):  # the first launch compiles and remembers, the second reuses
+                for d, b0 in zip(dst, before, strict=True):
+                    d.copy_(b0)
+                units = self.prepare_units(su), self.prepare_units(du)  # as a request's
+                self.pair_copy(
+                    *bases, *units, unit_len, src_stride, src_offset, dst_stride, dst_offset
+                )
+                for u in units:
+                    self.release_units(u)
+                verdicts.append(
+                    all(torch.equal(d.cpu(), w) for d, w in zip(dst, want, strict=True))
+                )
+        if not verdicts[0]:
             raise RuntimeError(
                 f"the one-pass Triton copy wrote wrong bytes in its self-test (unit_len "
                 f"{unit_len}, src stride {src_stride} offset {src_offset}, dst stride "
                 f"{dst_stride} offset {dst_offset})"
+            )
+        if not verdicts[1] and self._fast_pair.enabled:
+            self._fast_pair.enabled = False
+            logger.warning(
+                "sgl-nixl: fast launches of the one-pass copy off (self-test); copies stay correct"
             )
 
 

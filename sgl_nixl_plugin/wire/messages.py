@@ -137,6 +137,9 @@ class RegistrationReply(msgspec.Struct, frozen=True, tag="reg_reply"):
     # stage into a PP 1 decode: staged pieces number regions as the prefill does); [] when
     # they pair one to one
     kv_window: Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_REGIONS)] = []
+    # this prefill rank mapped the decode's KV pool (``PeerRegistration.ipc``) and writes
+    # its pages in one pass: the decode grants it no staging slots
+    one_pass: bool = False
 
 
 class IndexSpec(msgspec.Struct, frozen=True, array_like=True):

@@ -820,3 +820,37 @@ def test_gpu_pair_copy_matches_numpy(
         assert np.array_equal(got, exp), f"region {k}"
     with pytest.raises(ValueError, match="multiples of 4"):
         c.pair_copy(src.bases, dst.bases, su, du, unit_len, s_stride, s_off, d_stride, d_off + 2)
+
+
+@gpu
+def test_gpu_pair_copy_takes_the_fast_launch_after_warmup(torch_cuda, triton_copier) -> None:
+    """After ``warmup_pair`` a request's pair copy skips Triton's dispatch (the fast launch
+    it checked) and still writes exactly the expected bytes; numbers the launches taken."""
+    torch, c = torch_cuda, triton_copier
+    unit_len = 16 * ROW
+    c.warmup_pair(unit_len, unit_len, 0, unit_len, 0)
+    assert c._fast_pair.enabled and c._fast_pair._kernels, "no fast pair launch remembered"
+    taken = []
+    real = c._fast_pair.launch
+    c._fast_pair.launch = lambda *a: taken.append(real(*a)) or taken[-1]
+    rng = np.random.default_rng(7)
+    src = DeviceRegions(torch, 6, 64 * unit_len, "bf16", seed=3)
+    dst = DeviceRegions(torch, 6, 80 * unit_len, "bytes", seed=4)
+    su = rng.choice(64, 33, replace=False).astype(np.int64)
+    du = rng.choice(80, 33, replace=False).astype(np.int64)
+    want = _pair_expected(src.host(), dst.host(), su, du, unit_len, unit_len, 0, unit_len, 0)
+    c.pair_copy(
+        c.prepare_bases(src.bases),
+        c.prepare_bases(dst.bases),
+        c.prepare_units(su),
+        c.prepare_units(du),
+        unit_len,
+        unit_len,
+        0,
+        unit_len,
+        0,
+    )
+    torch.cuda.synchronize()
+    assert taken == [True], taken
+    for k, (got, exp) in enumerate(zip(dst.host(), want, strict=True)):
+        assert np.array_equal(got, exp), f"region {k}"

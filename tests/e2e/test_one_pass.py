@@ -66,6 +66,38 @@ def _run(shape: str, page: int, *, env: dict | None = None, **kw):
     return run_pd(w, mem_kind="VRAM", prefill_gpu=0, decode_gpu=DECODE_GPU, env=env or {}, **kw)
 
 
+def _kill_after_three_rooms(role: str, requests: int, timeout_s: float, env: dict):
+    """Llama-3.1-8B rooms of 2-4k tokens, 8 in flight, one-pass path; ``role``'s rank is
+    SIGKILLed once three rooms finished (copies in flight): (result, kill times)."""
+    w = Workload(
+        PRESETS["llama-3.1-8b"],
+        page_size=16,
+        requests=requests,
+        min_tokens=2048,
+        max_tokens=4096,
+        concurrency=8,
+        state=False,
+    )
+    cfg = SessionConfig(
+        w,
+        mem_kind="VRAM",
+        prefill_gpu=0,
+        decode_gpu=DECODE_GPU,
+        timeout_s=timeout_s,
+        env={**E2E_ENV, **env},
+    )
+    killed: list[float] = []
+    with hermetic_environ():
+        session = Session(cfg).start()
+
+        def progress(n: int) -> None:
+            if n >= 3 and not killed:
+                session.kill(role, 0, 0)
+                killed.append(time.time())
+
+        return session.wait(progress), killed
+
+
 @needs_gpu
 @pytest.mark.parametrize(
     ("shape", "page", "prefill_tp", "decode_tp", "decode_page"),
@@ -130,6 +162,13 @@ def test_many_rooms_in_flight_at_once_arrive_byte_exact() -> None:
     res = run_pd(w, mem_kind="VRAM", prefill_gpu=0, decode_gpu=DECODE_GPU)
     assert_clean(res)
     assert _paths(res) == {"ipc"}
+    # the prefill said it writes in one pass: the decode granted no staging slots (none
+    # came back) and uploaded no page numbers for scatters
+    slots = {
+        k: sum(r.get("tables", {}).get(f"count.staging.{k}", 0) for r in res.decode.values())
+        for k in ("returned", "prepared")
+    }
+    assert slots == {"returned": 0, "prepared": 0}, slots
 
 
 @needs_gpu
@@ -139,33 +178,9 @@ def test_a_prefill_killed_mid_transfer_fails_the_decodes_rooms_within_2s() -> No
     2 s of the kill with a reason, and the finished ones are byte-exact. (The bootstrap
     server lives in the prefill's process and dies with it: rooms not yet started there
     wait for it, as they would in SGLang.)"""
-    w = Workload(
-        PRESETS["llama-3.1-8b"],
-        page_size=16,
-        requests=40,
-        min_tokens=2048,
-        max_tokens=4096,
-        concurrency=8,
-        state=False,
+    res, killed = _kill_after_three_rooms(
+        "prefill", 40, 120, {"SGLANG_NIXL_PLUGIN_LIVENESS_MISSES": "5"}
     )
-    cfg = SessionConfig(
-        w,
-        mem_kind="VRAM",
-        prefill_gpu=0,
-        decode_gpu=DECODE_GPU,
-        timeout_s=120,
-        env={**E2E_ENV, "SGLANG_NIXL_PLUGIN_LIVENESS_MISSES": "5"},
-    )
-    killed: list[float] = []
-    with hermetic_environ():
-        session = Session(cfg).start()
-
-        def progress(n: int) -> None:
-            if n >= 3 and not killed:
-                session.kill("prefill", 0, 0)
-                killed.append(time.time())
-
-        res = session.wait(progress)
     rooms = res.decode_results()
     assert killed, "the prefill was never killed: fewer than 3 rooms finished"
     failed = [r for r in rooms.values() if not r["ok"]]
@@ -174,3 +189,25 @@ def test_a_prefill_killed_mid_transfer_fails_the_decodes_rooms_within_2s() -> No
     assert not late, f"rooms failed {late[:5]} s after the kill"
     assert all(r.get("reason") for r in failed)
     assert not any(r.get("bad_pages") for r in rooms.values())
+
+
+@needs_gpu
+def test_a_decode_killed_mid_transfer_fails_the_prefills_rooms_and_unmaps_its_pool() -> None:
+    """The decode is SIGKILLed once three rooms finished, with one-pass copies into its
+    pool in flight: the prefill survives, each of its rooms either succeeded or failed
+    with a reason, it drops the lost decode's mapping while it still runs (no mapped
+    peer left before its manager closes) and no mapping stays open after the close."""
+    env = {
+        "SGLANG_NIXL_PLUGIN_LIVENESS_INTERVAL": "0.5",
+        "SGLANG_NIXL_PLUGIN_LIVENESS_MISSES": "4",
+        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "10",
+    }
+    res, killed = _kill_after_three_rooms("decode", 24, 45, env)
+    assert killed, "the decode was never killed: fewer than 3 rooms finished"
+    assert res.prefill, f"the prefill did not report: {res.errors}"
+    rooms = {k: v for r in res.prefill.values() for k, v in r.get("results", {}).items()}
+    failed = [r for r in rooms.values() if not r["ok"]]
+    assert failed, f"no prefill room failed: {len(rooms)} ended"
+    assert all(r.get("reason") for r in failed), failed[:3]
+    assert _mapped_peers(res) == 0, "the lost decode's pool is still mapped"
+    assert set(_open_after_close(res)) == {0}
