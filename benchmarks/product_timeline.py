@@ -239,6 +239,13 @@ def _install(role: str, poll_wait_us: float, bell: bool) -> None:
 
         for name in ("prepare_units", "prepare_bases", "pair_copy", "release_units"):
             _patch(TritonCopier, name, before=stamp(f"{name}0"), after=stamp(f"{name}1"))
+        from sgl_nixl_plugin.engine.copy_triton import _FastLaunch
+
+        def fast_taken(self: Any, out: Any, kind: str, *a: Any, **kw: Any) -> None:
+            if kind == "pair":  # rows "fast pair launch: taken" / "not taken" count the rooms
+                _ev("p_op_step", current["room"], f"fast_{bool(out)}")
+
+        _patch(_FastLaunch, "launch", after=fast_taken)
         real_units = one_pass_mod.unit_indices_of
 
         def unit_indices_of(*a: Any, **kw: Any) -> Any:
@@ -255,6 +262,11 @@ def _install(role: str, poll_wait_us: float, bell: bool) -> None:
             "_encode_kv_status_message",
             before=lambda self, *a, **kw: _ev("p_status_enc", kw.get("bootstrap_room", -1)),
         )
+
+        def status_sent(self: Any, out: Any, *a: Any, **kw: Any) -> None:
+            _ev("p_status_sent", kw.get("bootstrap_room", -1))
+
+        _patch(NixlPluginKVManager, "send_kv_status_message", after=status_sent)
 
         def on_msg(self: Any, msg: Any, *a: Any, **kw: Any) -> None:
             _ev("p_rx", getattr(msg, "room", -1), type(msg).__name__)
@@ -283,10 +295,15 @@ def _install(role: str, poll_wait_us: float, bell: bool) -> None:
         from sgl_nixl_plugin.adapter.decode_staging import DecodeStaging
         from sgl_nixl_plugin.engine.scatter_queue import ScatterQueue
 
+        frames_at = {"t": 0.0}  # when the listener took the frames being handled
+
         def on_msg(self: Any, msg: Any, *a: Any, **kw: Any) -> None:
-            _ev("d_rx", getattr(msg, "room", -1), type(msg).__name__)
+            room, kind = getattr(msg, "room", -1), type(msg).__name__
+            _ev("d_frames", room, kind, frames_at["t"])
+            _ev("d_rx", room, kind)
 
         _patch(DecodeListener, "_dispatch", before=on_msg)
+        _patch(DecodeListener, "on_frames", before=lambda *a, **kw: frames_at.update(t=_now()))
         _patch(
             DecodeStaging,
             "_launch",
@@ -352,6 +369,8 @@ STEPS = [  # (label, side, how to find it): medians over steady rooms, ms after 
     ("one pass: bases prepared (both)", "p_op_step:last:prepare_bases1"),
     ("one pass: pair_copy entered", "p_op_step:first:pair_copy0"),
     ("one pass: pair_copy returned", "p_op_step:first:pair_copy1"),
+    ("one pass: fast pair launch taken (n = rooms)", "p_op_step:first:fast_True"),
+    ("one pass: fast pair launch not taken (n = rooms)", "p_op_step:first:fast_False"),
     ("one pass: units released", "p_op_step:last:release_units1"),
     ("one pass: launch returned", "p_op_launch1"),
     ("one pass: copy seen done (event)", "p_op_done:DONE"),
@@ -370,8 +389,10 @@ STEPS = [  # (label, side, how to find it): medians over steady rooms, ms after 
     ("last WRITE done", "tr:last:write done"),
     ("decode: last PieceReady received", "d_rx:last:PieceReady"),
     ("decode: last piece scattered", "d_out:last:PieceReady"),
-    ("prefill room ended (all WRITEs, status next)", "m:ended"),
+    ("prefill room observed (its status went out before)", "m:ended"),
     ("prefill: status encoded (sent next)", "p_status_enc"),
+    ("prefill: status handed to ZMQ", "p_status_sent"),
+    ("decode: listener took the status frames", "d_frames:TransferStatus"),
     ("decode: TransferStatus received", "d_rx:TransferStatus"),
     ("decode: status applied (behind scatters)", "d_out:TransferStatus"),
     ("T1 decode bench sees Success", "d_poll:Success"),
@@ -426,10 +447,14 @@ def analyse(out_dir: Path, label: str) -> dict[str, Any]:
             t0 = r.get("p_poll:WaitingForInput")
             if t0 is not None and key in r:
                 vals.append((r[key] - t0) * 1e3)
+        first = float("nan")  # the fresh pair's first room, for the cold-start figure
+        if order and key in rooms[order[0]] and "p_poll:WaitingForInput" in rooms[order[0]]:
+            r = rooms[order[0]]
+            first = (r[key] - r["p_poll:WaitingForInput"]) * 1e3
         if vals:
             a = np.asarray(vals)
             rows.append((name, float(np.median(a)), float(np.percentile(a, 10)),
-                         float(np.percentile(a, 90)), len(a)))  # fmt: skip
+                         float(np.percentile(a, 90)), len(a), first))  # fmt: skip
     per_room = []
     for k in order:
         r = rooms[k]
@@ -472,9 +497,10 @@ def analyse(out_dir: Path, label: str) -> dict[str, Any]:
         "bytes_p50": med("bytes", st),
     }
     print(f"=== product timeline {label}: {len(per_room)} rooms, steady = all but the first")
-    print(f"{'step (steady rooms, ms after T0)':50s} {'p50':>8s} {'p10':>8s} {'p90':>8s}  n")
-    for name, p50, p10, p90, n in rows:
-        print(f"{name:50s} {p50:8.3f} {p10:8.3f} {p90:8.3f}  {n}")
+    head = f"{'step (steady rooms, ms after T0)':50s} {'p50':>8s} {'p10':>8s} {'p90':>8s}"
+    print(f"{head}  n  {'first':>8s}")
+    for name, p50, p10, p90, n, first in rows:
+        print(f"{name:50s} {p50:8.3f} {p10:8.3f} {p90:8.3f}  {n} {first:8.3f}")
     print(
         "per room p50: product (T0->T1) {product_ms_p50:.2f} ms = {product_gbps_p50:.0f} GB/s; "
         "first gather -> last piece scattered (the engine's clock) {engine_like_ms_p50:.2f} ms = "

@@ -556,5 +556,5 @@ class TransferWorker:
         elif rec.last_chunk_seen:
             self.active.pop(rec.room, None)
             if rooms.close(rec, PrefillPhase.SUCCEEDED):
+                sg.conclude_success(rec.room)  # the decode's status first, then bookkeeping
                 self.ctx.observe(rec, ok=True)
-                sg.conclude_success(rec.room)

@@ -277,6 +277,33 @@ class Pools:
             bad += int(np.count_nonzero(wrong.reshape(len(pages), -1).any(axis=1)))
         return bad
 
+    PAINT = 0x5A5A5A5A  # what an aborted room's pages hold once the abort was safe
+
+    def _pages_of(self, r: int, pages: np.ndarray) -> Any:
+        view = self.region_words(r)
+        if self.mem_kind == "VRAM":
+            import torch
+
+            return view, torch.as_tensor(pages, device=view.device, dtype=torch.long)
+        return view, pages
+
+    def paint(self, pages: np.ndarray) -> None:
+        """Overwrite ``pages`` (device pool, every region) with ``PAINT``."""
+        for r in range(len(self.region_ids)):
+            view, idx = self._pages_of(r, pages)
+            view[idx] = self.PAINT
+
+    def unpainted(self, pages: np.ndarray) -> int:
+        """Pages (over all regions) written since ``paint``."""
+        bad = 0
+        for r in range(len(self.region_ids)):
+            view, idx = self._pages_of(r, pages)
+            got = view[idx]
+            got = got.cpu().numpy() if self.mem_kind == "VRAM" else got
+            same = got.view(np.uint32) == self.PAINT
+            bad += int(np.count_nonzero(~same.reshape(len(pages), -1).all(axis=1)))
+        return bad
+
     def state_row(self, slot: int) -> Any:
         if self.mem_kind == "VRAM":
             return self._st[slot * STATE_ITEM_BYTES : (slot + 1) * STATE_ITEM_BYTES]
@@ -416,21 +443,44 @@ class _StatusBell:
     The loops otherwise sleep 0.5 ms between polls, which puts ~0.3 ms of the bench's own
     wait into every request's latency (spinning instead starves the plugin's threads of
     the GIL). The timeout keeps the timed steps (chunk gaps) and the abort checks going.
+    A status concluded for the decode (``conclude_transfer``: local status, then the
+    message) rings once the message left: rung before, the woken loop took the GIL from
+    the thread about to send it (measured ~0.15 ms later at the decode).
     """
 
     WAIT_S = 0.0005
 
     def __init__(self, mgr: Any) -> None:
         self._event = threading.Event()
+        self._held = threading.local()  # inside conclude_transfer on this thread: ring after
         update = mgr.update_status
 
         def update_status(*args: Any, **kwargs: Any) -> Any:
             try:
                 return update(*args, **kwargs)
             finally:
-                self._event.set()
+                if getattr(self._held, "depth", 0):
+                    self._held.rang = True
+                else:
+                    self._event.set()
 
         mgr.update_status = update_status
+        conclude = getattr(mgr, "conclude_transfer", None)
+        if conclude is None:
+            return
+
+        def conclude_transfer(*args: Any, **kwargs: Any) -> Any:
+            held = self._held
+            held.depth = getattr(held, "depth", 0) + 1
+            try:
+                return conclude(*args, **kwargs)
+            finally:
+                held.depth -= 1
+                if not held.depth and getattr(held, "rang", False):
+                    held.rang = False
+                    self._event.set()
+
+        mgr.conclude_transfer = conclude_transfer
 
     def wait(self) -> None:
         self._event.wait(self.WAIT_S)
@@ -533,23 +583,12 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
                         reason = str(exc)
                 else:
                     sender.clear()
-                ev = collector.events.get(room)
-                if ev is not None and ev.timeline:
-                    logger.debug(
-                        "bench prefill room %s: WaitingForInput seen %.3f ms after the sender "
-                        "was made, send() calls %.0f us; room timeline %s",
-                        room,
-                        (ctx.get("ready_seen", ctx["t0"]) - ctx["t0"]) * 1e3,
-                        ctx.get("control_us", 0.0),
-                        ev.timeline,
-                    )
                 results[room] = {
                     "ok": status == KVPoll.Success,
                     "send_wall": ctx.get("send_wall"),
                     "reason": reason,
                     "control_us": ctx.get("control_us", 0.0),
-                    "descriptors": getattr(ev, "descriptors", None),
-                    "path": getattr(ev, "path", None),
+                    "ready_ms": (ctx.get("ready_seen", ctx["t0"]) - ctx["t0"]) * 1e3,
                 }
                 pool.release(ctx["pages"])
                 slots.append(ctx["slot"])
@@ -557,6 +596,19 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
         bell.wait()
     timed_out = [r.room for r in pending] + list(active)
     done.wait(timeout=max(1.0, deadline - time.monotonic()))
+    for room, res in results.items():  # the manager's report of each room (it may come
+        ev = collector.events.get(room)  # just after the status the loop saw)
+        res["descriptors"] = getattr(ev, "descriptors", None)
+        res["path"] = getattr(ev, "path", None)
+        if ev is not None and ev.timeline:
+            logger.debug(
+                "bench prefill room %s: WaitingForInput seen %.3f ms after the sender was "
+                "made, send() calls %.0f us; room timeline %s",
+                room,
+                res["ready_ms"],
+                res["control_us"],
+                ev.timeline,
+            )
     time.sleep(0.2)  # let the last status frames leave before the sockets close
     tables = _tables(mgr)
     close = getattr(mgr, "close", None)
@@ -618,6 +670,7 @@ def run_decode(
     dp_ranks: dict[int, int] = {}  # resolved for the next room, before its pages are taken
     prefill_dp: dict[int, int] = {}  # the prefill DP rank each room was received from
     held: dict[int, tuple[dict[str, Any], float]] = {}  # failed host rooms, pages kept
+    painted: dict[int, np.ndarray] = {}  # aborted rooms' pages, painted once safe
     while (pending or active or held) and time.monotonic() < deadline:
         while pending and len(active) < w.concurrency:
             r = pending[0]
@@ -674,10 +727,21 @@ def run_decode(
                 "slot": slot,
                 "t0": t0,
                 "wall0": time.time(),
+                "abort_at": None if r.abort_at_ms is None else t0 + r.abort_at_ms * 1e-3,
             }
         for room, ctx in list(active.items()):
             receiver, r = ctx["receiver"], ctx["req"]
             status = receiver.poll()
+            if (
+                ctx["abort_at"] is not None
+                and status not in (KVPoll.Success, KVPoll.Failed)
+                and time.perf_counter() >= ctx["abort_at"]
+            ):
+                receiver.abort()  # as SGLang's decode aborts a request it no longer serves
+                ctx["abort_at"], ctx["aborted"] = None, True
+                # the ACKs its release waits for, one per prefill rank (SGLang's count)
+                ctx["acks"] = len(getattr(receiver, "bootstrap_infos", None) or ())
+                status = receiver.poll()
             # SGLang's metadata gate: Success only counts once the bootstrap_room aux row landed.
             if (
                 status == KVPoll.Success
@@ -698,6 +762,16 @@ def run_decode(
                 "wall1": time.time(),
             }
             if status == KVPoll.Failed:
+                if ctx.get("aborted"):
+                    res["aborted"] = True
+                    held[room] = (ctx, time.perf_counter())  # pages kept till safe, then painted
+                    try:
+                        receiver.failure_exception()
+                    except Exception as exc:
+                        res["reason"] = str(exc)
+                    results[room] = res
+                    del active[room]
+                    continue
                 if r.host:
                     receiver.abort()  # as SGLang's decode does for a failed host receive
                 try:
@@ -744,14 +818,31 @@ def run_decode(
             slots.append(ctx["slot"])
             del active[room]
         for room, (ctx, since) in list(held.items()):
-            if ctx["receiver"].is_abort_release_safe():
-                ctx["receiver"].clear()
+            receiver = ctx["receiver"]
+            if ctx.get("aborted"):  # a device room: SGLang's decode counts the prefills' ACKs
+                safe = mgr.is_abort_release_safe(room, ctx["acks"])
+            else:
+                safe = receiver.is_abort_release_safe()
+            if safe:
+                if ctx.get("aborted"):  # nothing may land from now on: paint, check at the end
+                    mgr.clear_deferred_abort_state(room)
+                    pools.paint(ctx["pages"])
+                    painted[room] = ctx["pages"]
+                receiver.clear()
                 results[room]["held_s"] = time.perf_counter() - since
-                host_pool.release(ctx["pages"])
+                if not ctx.get("aborted"):
+                    host_pool.release(ctx["pages"])
                 slots.append(ctx["slot"])
                 del held[room]
         bell.wait()
     timed_out = [r.room for r in pending] + list(active)
+    if painted:
+        # checked once every room ended here: a write the prefill still made into an aborted
+        # room after its ACK (a copy launched or left running past it) has landed by now,
+        # the later rooms' transfers having gone through the same prefill workers after it
+        for room, pages in painted.items():
+            results[room]["written_after_ack"] = pools.unpainted(pages)
+            pool.release(pages)
     result = {
         "results": results,
         "timed_out": timed_out,

@@ -70,6 +70,7 @@ class Request:
     with_state: bool
     send_delay_ms: float = 0.0  # before its first send (see ``Workload.send_delays_ms``)
     host: bool = False  # the decode receives it into its host pool (SGLang's host receive)
+    abort_at_ms: float | None = None  # the decode aborts it this long after its request
 
     def pages(self, page_size: int) -> int:
         return -(-self.tokens // page_size)
@@ -110,6 +111,11 @@ class Workload:
     # SGLang's StateType of the per-request state (``state``): how the pool names it to
     # the backend (e.g. "swa", indexed by pages, pairs only between equal page sizes)
     state_kind: str = "mamba"
+    # every n-th device-pool request (from the second) is aborted by the decode at a random
+    # moment up to ``abort_within_ms`` after its transfer request (0: none): its pages are
+    # then painted once the abort is safe, and must stay painted (no write after the ACK)
+    abort_every: int = 0
+    abort_within_ms: float = 2.0
 
     def page_size_of(self, role: str) -> int:
         """Tokens a page on ``role``'s side (prefill or decode)."""
@@ -137,6 +143,11 @@ class Workload:
                 self.fragmentation
             ]
             room = int(rng.integers(1, 2**63 - 1))
+            host = bool(self.host_every) and i % self.host_every == 0
+            abort_at = None
+            if self.abort_every and not host and i % self.abort_every == 1 % self.abort_every:
+                abort_at = float(np.random.default_rng((self.seed, i)).uniform(0, 1))
+                abort_at *= self.abort_within_ms
             out.append(
                 Request(
                     room,
@@ -145,14 +156,16 @@ class Workload:
                     contiguous,
                     self.state,
                     self.send_delays_ms[i % len(self.send_delays_ms)],
-                    bool(self.host_every) and i % self.host_every == 0,
+                    host,
+                    abort_at,
                 )
             )
         return out
 
     def pool_pages(self, role: str = "prefill") -> int:
         per_req = -(-self.max_tokens // self.page_size_of(role))
-        return per_req * self.concurrency + self.extra_pool_pages
+        held = -(-self.requests // self.abort_every) if self.abort_every and role == "decode" else 0
+        return per_req * (self.concurrency + held) + self.extra_pool_pages
 
 
 @dataclass

@@ -13,7 +13,16 @@ import importlib.util
 import time
 
 import pytest
-from helpers.pd import E2E_ENV, assert_clean, hermetic_environ, run_pd, workload
+from helpers.pd import (
+    ABORT_ENV,
+    E2E_ENV,
+    abort_workload,
+    assert_aborts_fenced,
+    assert_clean,
+    hermetic_environ,
+    run_pd,
+    workload,
+)
 
 from sgl_nixl_plugin.bench.session import Session, SessionConfig
 from sgl_nixl_plugin.bench.workload import PRESETS, Workload
@@ -211,3 +220,19 @@ def test_a_decode_killed_mid_transfer_fails_the_prefills_rooms_and_unmaps_its_po
     assert all(r.get("reason") for r in failed), failed[:3]
     assert _mapped_peers(res) == 0, "the lost decode's pool is still mapped"
     assert set(_open_after_close(res)) == {0}
+
+
+@needs_gpu
+def test_decode_aborts_during_one_pass_copies_leave_no_write_after_the_ack() -> None:
+    """The decode aborts every third Llama-3.1-8B room (2-8k tokens) at a random moment up
+    to 2 ms after its request (deferred KV release): once the prefill's ACK came, the
+    room's pages are painted and stay so (a copy launched after the abort, or still
+    running at the ACK, would overwrite them); the other rooms arrive byte-exact, in one
+    pass."""
+    w = abort_workload(
+        PRESETS["llama-3.1-8b"], requests=30, min_tokens=2048, max_tokens=8192, abort_within_ms=2.0
+    )
+    res = run_pd(w, mem_kind="VRAM", prefill_gpu=0, decode_gpu=DECODE_GPU, env=ABORT_ENV)
+    counts = assert_aborts_fenced(res)
+    print(f"\none pass: {counts}")
+    assert _paths(res) == {"ipc"}

@@ -16,7 +16,7 @@ from typing import Any
 
 from helpers.subproc import _SCRUBBED
 from sgl_nixl_plugin.bench.session import SessionConfig, SessionResult, run_session
-from sgl_nixl_plugin.bench.workload import PRESETS, Workload
+from sgl_nixl_plugin.bench.workload import PRESETS, ModelShape, Workload
 
 #: Session deadline; ``Session.wait`` allows another 60 s, which stays under the tests'
 #: 180 s pytest timeout so a stuck session fails with its own message, not a pytest kill.
@@ -208,3 +208,42 @@ def describe(res: SessionResult) -> str:
 def assert_clean(res: SessionResult, *, check_tables: bool = True) -> None:
     problems = session_problems(res, check_tables=check_tables)
     assert not problems, describe(res) + "\n" + "\n".join(problems[:40])
+
+
+#: Decode aborts wait for the prefills' ABORT_ACKs before the pages go back (SGLang's
+#: deferred KV release), the rule ``abort_workload``'s checks rely on.
+ABORT_ENV = {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1"}
+
+
+def abort_workload(shape: ModelShape, **kw) -> Workload:
+    return Workload(
+        shape,
+        page_size=16,
+        requests=kw.pop("requests", 24),
+        min_tokens=kw.pop("min_tokens", 1024),
+        max_tokens=kw.pop("max_tokens", 2048),
+        concurrency=6,
+        state=False,
+        abort_every=3,
+        abort_within_ms=kw.pop("abort_within_ms", 8.0),
+        **kw,
+    )
+
+
+def assert_aborts_fenced(res: SessionResult) -> dict[str, int]:
+    """Aborted rooms untouched after their ACK, the others byte-exact, nothing left over;
+    returns counts for the test's report."""
+    assert not res.errors, res.errors
+    for role, ranks in (("prefill", res.prefill), ("decode", res.decode)):
+        for key, r in ranks.items():
+            assert not r.get("timed_out"), f"{role}{key}: rooms not finished {r['timed_out']}"
+    rooms = res.decode_results()
+    aborted = {k: v for k, v in rooms.items() if v.get("aborted")}
+    others = {k: v for k, v in rooms.items() if not v.get("aborted")}
+    assert aborted, "no room was aborted before it finished"
+    written = {k: v.get("written_after_ack") for k, v in aborted.items()}
+    assert set(written.values()) == {0}, f"pages written after the ABORT_ACK: {written}"
+    bad = {k: (v.get("reason"), v.get("bad_pages")) for k, v in others.items() if not v["ok"]}
+    assert not bad, bad
+    assert not any(v.get("bad_pages") for v in others.values())
+    return {"aborted": len(aborted), "finished": len(others)}
