@@ -15,15 +15,8 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 OUT=${1:-${OUT:-/tmp/out}}
 mkdir -p "$OUT"
-if ! PYTHONPATH=/tmp/site python3 -c "import nixl, sglang" 2>/dev/null; then
-  for d in .whl .sglwhl; do
-    if ls $d/*.whl >/dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site $d/*.whl || exit 1
-    fi
-  done
-fi
-PYTHONPATH=/tmp/site python3 -c "import nixl, sglang" 2>/dev/null || { echo "nixl or sglang missing in /tmp/site"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD/ci/gpu_stubs:$PWD
+# shellcheck source=ci/gpu_site.sh
+source ci/gpu_site.sh
 export PYTHONUNBUFFERED=1 SGLANG_HOST_IP=127.0.0.1
 LOG="$OUT/one_pass.txt"
 echo "=== $(nvidia-smi -L | head -2 | tr '\n' ' ') $(date -u)" | tee -a "$LOG"

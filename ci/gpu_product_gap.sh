@@ -20,17 +20,8 @@ OUT=${1:-${OUT:-/tmp/out}}
 mkdir -p "$OUT"
 T0=$SECONDS
 BUDGET=${GAP_BUDGET_S:-540}  # no run starts after this (each has its own timeout too)
-if ! PYTHONPATH=/tmp/site python3 -c "import nixl, sglang" 2>/dev/null; then
-  for d in .whl .sglwhl; do
-    if ls $d/*.whl >/dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site $d/*.whl || exit 1
-    fi
-  done
-fi
-PYTHONPATH=/tmp/site python3 -c "import nixl, sglang" 2>/dev/null || { echo "nixl or sglang missing in /tmp/site"; exit 1; }
-# the entry point comes from the plugin wheel's dist-info in .sglwhl (installed above); the
-# code from this tree (bench_staging.py and product_timeline.py put the repo root first)
-export PYTHONPATH=/tmp/site:$PWD/ci/gpu_stubs:$PWD
+# shellcheck source=ci/gpu_site.sh
+source ci/gpu_site.sh
 export PYTHONUNBUFFERED=1 SGLANG_HOST_IP=127.0.0.1 SGLANG_NIXL_PLUGIN_BENCH_LOG=${BENCH_LOG:-DEBUG}
 LOG="$OUT/gap.txt"
 TAG=nomps
