@@ -65,6 +65,29 @@ class ControlLoop:
         self._next_check = now + self.watch.interval / 4
         return True
 
+    def _note_stall(
+        self, late_s: float, handling_s: float, ticking_s: float, messages: int
+    ) -> None:
+        """Warn when this thread was away from its socket for a liveness interval or more:
+        peers call a rank lost after ``deadline`` without a pong, and this line says
+        whether the time went to our own handlers or the thread was not run at all (CPU
+        or GIL starvation)."""
+        limit = self.watch.interval
+        if max(late_s, 0.0) + handling_s + ticking_s < limit:
+            return
+        logger.warning(
+            "sgl-nixl %s: away from its socket for %.1fs (woke %.1fs late, %.1fs handling %d "
+            "messages, %.1fs in periodic work); peers call a rank lost after %.1fs without "
+            "a pong",
+            self.thread.name,
+            max(late_s, 0.0) + handling_s + ticking_s,
+            max(late_s, 0.0),
+            handling_s,
+            messages,
+            ticking_s,
+            self.watch.deadline,
+        )
+
     # -- the loop -----------------------------------------------------------------------
     def _run(self) -> None:
         sock = self.sock
@@ -72,16 +95,25 @@ class ControlLoop:
         poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                for ready, _ in poller.poll(self.poll_ms()):
+                timeout_ms = self.poll_ms()
+                asked = time.monotonic()
+                events = poller.poll(timeout_ms)
+                woke = time.monotonic()
+                messages = 0
+                for ready, _ in events:
                     if ready is sock:
                         for frames in drain(sock):  # the whole backlog: a pong may be in it
                             self.on_frames(frames)
+                            messages += 1
                         self.on_batch_end()
                     elif self.watch.owns(ready):
                         for endpoint, why in self.watch.on_monitor(ready):
                             self.watch.forget(endpoint)
                             self.on_lost(endpoint, why)
+                handled = time.monotonic()
                 self.tick()
+                late = woke - asked - timeout_ms / 1000
+                self._note_stall(late, handled - woke, time.monotonic() - handled, messages)
             except zmq.ZMQError as exc:
                 if self._stop.is_set():
                     break

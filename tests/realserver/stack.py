@@ -119,6 +119,12 @@ def server_env(
         raise ValueError(backend)
     if plugins:
         env["SGLANG_PLUGINS"] = ",".join(plugins)
+    if backend == "plugin":
+        # The same allowance for our decodes: on CI's 2 cores, a DP attention stack (6
+        # scheduler processes and a router) once left a live prefill rank's control thread
+        # unanswered for 5-10 s, and its decodes failed the rooms it owed them. The stage
+        # checks the bytes moved; liveness has its own tests (tests/e2e, the chaos soak).
+        env["SGLANG_NIXL_PLUGIN_LIVENESS_MISSES"] = "15"
     if backend == "in-tree":
         # SGLang's decode calls a prefill lost after 2 missed 3 s /health GETs, 5 s apart:
         # on CI's 2 cores the in-tree TP 2 control's own ranks (8 transfer threads each, and
@@ -155,12 +161,15 @@ def server_env(
 
 def dp_args(dp: int) -> list[str]:
     """DP attention over ``dp`` ranks. SGLang divides ``--chunked-prefill-size`` by the
-    attention DP size, so it is scaled up to keep every server's chunk (same numerics)."""
+    attention DP size, so it is scaled up to keep every server's chunk (same numerics).
+    Every decode step is logged: the stage checks that each DP rank ran decode batches, and
+    SGLang's default logs one step in 40, which a rank that drew few requests may not reach."""
     if dp <= 1:
         return []
     return [
         "--enable-dp-attention", "--dp-size", str(dp),
         "--chunked-prefill-size", str(CHUNKED_PREFILL * dp),
+        "--decode-log-interval", "1",
     ]  # fmt: skip
 
 

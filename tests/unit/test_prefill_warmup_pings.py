@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import zmq
+from helpers.zmq_pair import loopback_pair
 
 from sgl_nixl_plugin.adapter.prefill_control import PrefillControl
 from sgl_nixl_plugin.wire.codec import Codec
@@ -50,37 +51,28 @@ class SlowWarmEngine:
 
 @pytest.fixture
 def control() -> Iterator[tuple[PrefillControl, Any, list[tuple[str, Any]], Codec]]:
-    zctx = zmq.Context()
-    pull = zctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.LINGER, 0)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    push = zctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(f"tcp://127.0.0.1:{port}")
-    codec = Codec()
-    sent: list[tuple[str, Any]] = []  # ("send", msg) and ("reject", reason) in order
-    ctx = types.SimpleNamespace(
-        settings=types.SimpleNamespace(
-            liveness_interval_s=1.0, liveness_misses=5, warmup=True, warmup_timeout_s=30.0
-        ),
-        zmq_ctx=zctx,
-        server_socket=pull,
-        codec=codec,
-        me=types.SimpleNamespace(name="prefill-0", ip="127.0.0.1", port=port),
-        send=lambda endpoint, msg, *a: sent.append(("send", msg)) or True,
-        reject=lambda reason, detail="", *a: sent.append(("reject", f"{reason}: {detail}")),
-        staging=None,
-        warmups=0,
-    )
-    ctx.engine = SlowWarmEngine(sent)
-    ctl = PrefillControl(ctx, wake=lambda room: None, recall=lambda room: None)
-    try:
-        yield ctl, push, sent, codec
-    finally:
-        ctl.watch.close()
-        push.close(0)
-        pull.close(0)
-        zctx.term()
+    with loopback_pair() as (zctx, pull, push, port):
+        codec = Codec()
+        sent: list[tuple[str, Any]] = []  # ("send", msg) and ("reject", reason) in order
+        ctx = types.SimpleNamespace(
+            settings=types.SimpleNamespace(
+                liveness_interval_s=1.0, liveness_misses=5, warmup=True, warmup_timeout_s=30.0
+            ),
+            zmq_ctx=zctx,
+            server_socket=pull,
+            codec=codec,
+            me=types.SimpleNamespace(name="prefill-0", ip="127.0.0.1", port=port),
+            send=lambda endpoint, msg, *a: sent.append(("send", msg)) or True,
+            reject=lambda reason, detail="", *a: sent.append(("reject", f"{reason}: {detail}")),
+            staging=None,
+            warmups=0,
+        )
+        ctx.engine = SlowWarmEngine(sent)
+        ctl = PrefillControl(ctx, wake=lambda room: None, recall=lambda room: None)
+        try:
+            yield ctl, push, sent, codec
+        finally:
+            ctl.watch.close()
 
 
 def _until_readable(sock: Any) -> None:
