@@ -120,10 +120,12 @@ def server_env(
     if plugins:
         env["SGLANG_PLUGINS"] = ",".join(plugins)
     if backend == "plugin":
-        # The same allowance for our decodes: on CI's 2 cores, a DP attention stack (6
-        # scheduler processes and a router) once left a live prefill rank's control thread
-        # unanswered for 5-10 s, and its decodes failed the rooms it owed them. The stage
-        # checks the bytes moved; liveness has its own tests (tests/e2e, the chaos soak).
+        # The same allowance for our decodes: SGLang's CPU path compiles Inductor kernels
+        # (g++) inside the prefill's schedulers at new batch shapes, mid-run; on CI's 2
+        # cores a DP attention stack then left a live prefill rank's control thread unrun
+        # for 5-10 s (its log: "away from its socket ... woke ...s late"), and its decodes
+        # failed the rooms it owed them. The stage checks the bytes moved; liveness has its
+        # own tests (tests/e2e, the chaos soak).
         env["SGLANG_NIXL_PLUGIN_LIVENESS_MISSES"] = "15"
     if backend == "in-tree":
         # SGLang's decode calls a prefill lost after 2 missed 3 s /health GETs, 5 s apart:
