@@ -70,12 +70,11 @@ def _run(loop: SlowHandlerLoop, push: Any) -> None:
     try:
         push.send_multipart([b"x"])
         assert loop.handled.wait(10), "the loop never handled the message"
-        # the warning, if any, follows the handler within the same pass of the loop
-        loop._stop.set()
-        loop.thread.join(10)
-        assert not loop.thread.is_alive()
     finally:
-        loop._stop.set()
+        # the warning, if any, follows the handler within the same pass of the loop
+        loop.stop()
+        loop.thread.join(10)
+    assert not loop.thread.is_alive()
 
 
 def test_a_slow_handler_is_named_with_its_time(
