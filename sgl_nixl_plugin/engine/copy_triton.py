@@ -459,13 +459,14 @@ class TritonCopier(GpuCopier):
                 return mapped
         return super().prepare_units(units, stream)
 
-    def release_units(self, units: Any, stream: Any = None) -> None:
+    def release_units(self, units: Any, stream: Any = None, event: Any = None) -> None:
         """Done with ``units`` from ``prepare_units``: a mapped buffer is reused once the
-        work queued on ``stream`` so far (the gathers that read it) has run."""
+        work queued on ``stream`` so far (the gathers that read it) has run, or once
+        ``event`` (recorded after that work) has passed."""
         if isinstance(units, MappedUnits):
-            if stream is None:
+            if stream is None and event is None:
                 stream = self.torch.cuda.current_stream(self.device)
-            self._mapped.give(units, stream)
+            self._mapped.give(units, stream, event)
 
     def bind(self, stream: Any) -> None:
         """Make ``stream`` (on our device) the calling thread's current one, so that calls

@@ -88,10 +88,11 @@ class MappedPool:
                     return buf
         return None
 
-    def give(self, units: MappedUnits, stream: Any) -> None:
-        """Return ``units``' buffer once the work queued on ``stream`` so far has run."""
-        ev = None
-        if stream is not None:
+    def give(self, units: MappedUnits, stream: Any, event: Any = None) -> None:
+        """Return ``units``' buffer once the work queued on ``stream`` so far has run (or
+        once ``event``, already recorded after that work, has passed)."""
+        ev = event
+        if ev is None and stream is not None:
             ev = self.torch.cuda.Event()
             ev.record(stream)
         with self._lock:

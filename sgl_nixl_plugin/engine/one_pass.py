@@ -86,20 +86,25 @@ class OnePassLink:
             raise TransferError(f"kv: {len(src)} source items for {len(dst)} destinations")
         geo = self.geometry
         src_units = unit_indices_of(src, geo)
-        dst_units = unit_indices_of(dst, geo)
+        n = len(src_units)
+        # both sides' indices in one buffer (one copy in, one release): the destination's
+        # part starts 16-byte aligned, as the kernel was compiled for
+        pad = -(-n // 4) * 4
+        both = np.zeros(pad + n, dtype=np.int64)
+        both[:n] = src_units
+        both[pad:] = unit_indices_of(dst, geo)
         stride = self.unit_len
         import torch
 
         with self._lock:
             if self._closed:
                 raise TransferError(f"decode {self.peer}: its mapped KV pool was released")
-            su = copier.prepare_units(src_units, stream)
-            du = copier.prepare_units(dst_units, stream)
+            units = copier.prepare_units(both, stream)
             copier.pair_copy(
                 copier.prepare_bases(self.src_ptrs, stream),
                 copier.prepare_bases(self.dst_ptrs, stream),
-                su,
-                du,
+                units[:n],
+                units[pad:],
                 self.unit_len,
                 geo.src_stride or stride,
                 geo.src_offset,
@@ -107,14 +112,13 @@ class OnePassLink:
                 geo.dst_offset,
                 stream,
             )
-            release = getattr(copier, "release_units", None)
-            if release is not None:  # reused only after the work queued on the stream ran
-                release(su, stream)
-                release(du, stream)
             event = torch.cuda.Event()
             event.record(stream)
+            release = getattr(copier, "release_units", None)
+            if release is not None:  # reused once the copy that reads it has run
+                release(units, stream, event)
             self._last = event
-        nbytes = len(src_units) * self.unit_len * len(self.src_ptrs)
+        nbytes = n * self.unit_len * len(self.src_ptrs)
         return KernelXfer(handle=event, peer=self.peer, nbytes=nbytes, descriptors=0, event=event)
 
     def close(self, timeout_s: float = 10.0) -> None:

@@ -692,35 +692,41 @@ def test_host_mapped_indices_stay_off_when_their_self_test_fails(monkeypatch):
     assert copier.map_units is False
 
 
+class _HostBuf:
+    """A "pinned" int64 buffer in host memory, as MappedPool uses one."""
+
+    def __init__(self, n: int) -> None:
+        self.a = np.zeros(n, dtype=np.int64)
+        self.shape = self.a.shape
+
+    def numpy(self):
+        return self.a
+
+    def data_ptr(self):
+        return self.a.ctypes.data
+
+
+class _PinningTorch:
+    """Only what MappedPool calls, on host memory; counts the pinned allocations. It has no
+    ``cuda``: a pool that tried to record an event of its own would fail."""
+
+    int64 = np.int64
+
+    def __init__(self) -> None:
+        self.pinned: list[int] = []
+
+    def empty(self, n, dtype, pin_memory):
+        assert pin_memory
+        self.pinned.append(n)
+        return _HostBuf(n)
+
+
 def test_mapped_pool_reserves_pinned_buffers_that_later_requests_reuse():
     """``reserve`` pins its buffers up front (within ``max_buffers``); a request that fits
     takes one of them instead of pinning a new one."""
     from sgl_nixl_plugin.engine.mapped_units import MappedPool
 
-    class PinningTorch:  # only what MappedPool calls; counts the pinned allocations
-        int64 = np.int64
-
-        def __init__(self) -> None:
-            self.pinned: list[int] = []
-
-        def empty(self, n, dtype, pin_memory):
-            assert pin_memory
-            self.pinned.append(n)
-
-            class Buf:
-                def __init__(self) -> None:
-                    self.a = np.zeros(n, dtype=np.int64)
-                    self.shape = self.a.shape
-
-                def numpy(self):
-                    return self.a
-
-                def data_ptr(self):
-                    return self.a.ctypes.data
-
-            return Buf()
-
-    torch = PinningTorch()
+    torch = _PinningTorch()
     pool = MappedPool(torch, max_buffers=3)
     pool.reserve(5, 4096)
     assert torch.pinned == [4096] * 3  # bounded by max_buffers
@@ -729,6 +735,31 @@ def test_mapped_pool_reserves_pinned_buffers_that_later_requests_reuse():
     assert all(t is not None and np.array_equal(t._buf.a[:3000], units) for t in taken)
     assert torch.pinned == [4096] * 3 and pool.in_use == 3  # reused, none pinned
     assert pool.take(units) is None  # past max_buffers: the caller uploads instead
+
+
+def test_mapped_pool_reuses_a_buffer_given_with_an_event_only_once_it_passed():
+    """A one-pass launch gives its index buffer back with the copy's own completion event:
+    the pool records no event of its own and hands the buffer out again only after that
+    one passed."""
+    from sgl_nixl_plugin.engine.mapped_units import MappedPool
+
+    class Event:
+        def __init__(self) -> None:
+            self.done = False
+
+        def query(self) -> bool:
+            return self.done
+
+    pool = MappedPool(_PinningTorch(), max_buffers=1)
+    first = pool.take(np.arange(10, dtype=np.int64))
+    copy_done = Event()
+    pool.give(first, None, copy_done)
+    assert pool.in_use == 0
+    assert pool.take(np.arange(5, dtype=np.int64)) is None  # the copy may still read it
+    copy_done.done = True
+    again = pool.take(np.array([7, 8, 9], dtype=np.int64))
+    assert again is not None and again._buf is first._buf
+    assert list(again._buf.a[:3]) == [7, 8, 9]
 
 
 @gpu
