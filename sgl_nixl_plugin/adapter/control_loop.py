@@ -1,13 +1,16 @@
 """The control thread both sides run: one ZMQ socket, the peer watch, and a periodic tick.
 
 Subclasses say what a message means (``on_frames``), what losing a peer means (``on_lost``),
-how long to sleep (``poll_ms``) and what to do on every wake-up (``tick``). The loop itself
-never dies: socket errors and handler bugs are logged and the thread goes on.
+how long to sleep (``poll_ms``) and what to do on every wake-up (``tick``). Another thread
+that changes what the loop should do next calls ``interrupt`` rather than waiting out the poll,
+so a long idle sleep costs no latency. The loop itself never dies: socket errors and handler
+bugs are logged and the thread goes on.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -27,6 +30,9 @@ class ControlLoop:
         self.watch = PeerWatch(zmq_ctx, interval_s, misses)
         self._stop = threading.Event()
         self._next_check = 0.0
+        self._interrupt_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._interrupt_lock = threading.Lock()  # an interrupt never writes to a closed (reused) fd
+        self.wakeups = 0  # times the loop woke up: what an idle rank costs, countable
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -34,6 +40,13 @@ class ControlLoop:
 
     def stop(self) -> None:
         self._stop.set()
+        self.interrupt()
+
+    def interrupt(self) -> None:
+        """End the loop's current sleep now (any thread; a no-op once the loop has ended)."""
+        with self._interrupt_lock:
+            if self._interrupt_fd >= 0:
+                os.eventfd_write(self._interrupt_fd, 1)
 
     # -- what subclasses define ---------------------------------------------------------
     def poll_ms(self) -> int:
@@ -93,15 +106,19 @@ class ControlLoop:
         sock = self.sock
         poller = self.watch.poller
         poller.register(sock, zmq.POLLIN)
+        poller.register(self._interrupt_fd, zmq.POLLIN)
         while not self._stop.is_set():
             try:
                 timeout_ms = self.poll_ms()
                 asked = time.monotonic()
                 events = poller.poll(timeout_ms)
                 woke = time.monotonic()
+                self.wakeups += 1
                 messages = 0
                 for ready, _ in events:
-                    if ready is sock:
+                    if ready == self._interrupt_fd:
+                        self._clear_interrupt()
+                    elif ready is sock:
                         for frames in drain(sock):  # the whole backlog: a pong may be in it
                             self.on_frames(frames)
                             messages += 1
@@ -122,3 +139,12 @@ class ControlLoop:
             except Exception:
                 logger.exception("sgl-nixl %s: error; the thread goes on", self.thread.name)
         self.watch.close()
+        with self._interrupt_lock:
+            os.close(self._interrupt_fd)
+            self._interrupt_fd = -1
+
+    def _clear_interrupt(self) -> None:
+        try:
+            os.eventfd_read(self._interrupt_fd)
+        except BlockingIOError:  # already read
+            pass

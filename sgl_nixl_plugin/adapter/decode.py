@@ -7,6 +7,7 @@ rooms with a reason when a rank stops answering, instead of waiting for the 300 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from sgl_nixl_plugin.adapter.control_loop import ControlLoop
@@ -26,14 +27,22 @@ from sgl_nixl_plugin.wire.messages import (
 
 logger = logging.getLogger(__name__)
 
+#: Idle wake-up period: how late an ended room's stray WRITE may drain (10 wake-ups a second).
+IDLE_POLL_MS = 100
+#: While busy, how often to ask whether data is still due (the last room's end is seen this
+#: soon, so the 1 ms polling stops with it).
+BUSY_RECHECK_S = 0.02
+
 
 class DecodeListener(ControlLoop):
     """Applies what prefills send; progresses the NIXL agent while data is due.
 
     A two-sided transport (UCX over TCP) needs the target to progress: while rooms await
-    data or an ABORT_ACK it wakes every millisecond and progresses; idle, it wakes every
-    20 ms and still progresses once (WRITEs for rooms that already ended here then drain
-    instead of holding the prefill's handles), which costs well under 1 % of a core.
+    data, an ABORT_ACK or a warm-up it wakes every millisecond and progresses. Idle, it
+    wakes every ``IDLE_POLL_MS`` and still progresses once, so WRITEs for rooms that already
+    ended here drain instead of holding the prefill's handles. The first request after an
+    idle spell does not wait out that sleep: ``expect_data`` interrupts that sleep; the busy
+    polling ends within ``BUSY_RECHECK_S`` of the last room's end.
     """
 
     def __init__(self, side: DecodePolicy) -> None:
@@ -49,13 +58,19 @@ class DecodeListener(ControlLoop):
         self.side = side
         self.ctx = ctx
         self._busy = False
+        self._busy_until = 0.0  # when a busy loop next asks whether data is still due
+        self._expected = 0  # bumped by every expect_data (another thread)
 
     def expect_data(self) -> None:
-        """A transfer request just went out: progress from now on, not from the next check."""
-        self._busy = True
+        """Data is due (a transfer request or a warm-up went out): progress from now on,
+        not from the next check."""
+        self._expected += 1
+        if not self._busy:
+            self._busy = True
+            self.interrupt()
 
     def poll_ms(self) -> int:
-        return 1 if self._busy else 20
+        return 1 if self._busy else IDLE_POLL_MS
 
     def on_frames(self, frames: list[Any]) -> None:
         decoded = self.ctx.codec.decode(frames)
@@ -67,7 +82,26 @@ class DecodeListener(ControlLoop):
 
     def tick(self) -> None:
         self.ctx.engine.agent.progress()
+        if self._busy and time.monotonic() >= self._busy_until:
+            self._update_busy()
         super().tick()
+
+    def _update_busy(self) -> set[Endpoint]:
+        """Poll at the busy rate while some prefill owes data, an ABORT_ACK or a warm-up
+        reply, or while an ``expect_data`` raced with this check; returns the prefill ranks
+        that owe data."""
+        ctx = self.ctx
+        expected = self._expected  # before looking at the rooms: a later request shows here
+        pending = self.side.pending_endpoints()
+        self._busy = (
+            bool(pending)
+            or (ctx.warmup is not None and ctx.warmup.waiting())
+            or ctx.sglang.abort_acks_pending()
+        )
+        if expected != self._expected:
+            self._busy = True
+        self._busy_until = time.monotonic() + BUSY_RECHECK_S
+        return pending
 
     def _dispatch(self, msg: Any) -> None:
         ctx, staging, rooms = self.ctx, self.ctx.staging, self.ctx.rooms
@@ -128,8 +162,7 @@ class DecodeListener(ControlLoop):
 
     def check_liveness(self) -> None:
         ctx, side = self.ctx, self.side
-        pending = side.pending_endpoints()
-        self._busy = bool(pending) or ctx.sglang.abort_acks_pending()
+        pending = self._update_busy()
         known = side.known_endpoints()
         self.watch.sync(known, pending)
         side.close_unused_sockets(known | pending, self.watch.deadline)

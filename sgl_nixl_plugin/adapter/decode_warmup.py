@@ -57,16 +57,18 @@ class DecodeWarmup:
         self._lock = threading.Lock()
         self._by_addr: dict[str, _Warming] = {}
 
-    def start(self, addr: str) -> None:
-        """Warm ``addr`` once (again after ``forget``): a daemon thread asks its routes."""
+    def start(self, addr: str) -> bool:
+        """Warm ``addr`` once (again after ``forget``): a daemon thread asks its routes.
+        True when this call started a warm-up."""
         with self._lock:
             known = self._by_addr.get(addr)
             if known is not None and not known.stale:
-                return
+                return False
             self._by_addr[addr] = _Warming(time.monotonic())
         threading.Thread(
             target=self._run, args=(addr,), name="sgl-nixl-warmup", daemon=True
         ).start()
+        return True
 
     def ready(self, addr: str) -> bool:
         """Every rank of ``addr`` replied to the warm-up registration (or it was given up)."""
@@ -78,6 +80,14 @@ class DecodeWarmup:
                 w.done_at = time.monotonic()
                 logger.warning("sgl-nixl: warm-up of prefill %s gave up after %ss", addr, GIVE_UP_S)
             return w.done_at is not None
+
+    def waiting(self) -> bool:
+        """Some warm-up still waits for a rank's reply (its WRITE needs this side's progress)."""
+        now = time.monotonic()
+        with self._lock:
+            return any(
+                w.done_at is None and now - w.started <= GIVE_UP_S for w in self._by_addr.values()
+            )
 
     def warmed(self) -> int:
         """Prefills whose every rank accepted the warm-up registration (linked and warmed)."""

@@ -324,7 +324,8 @@ class NixlPluginKVManager(CommonKVManager):
         decode registers with the prefill's ranks in the background (``DecodeWarmup``)."""
         ok = super().try_ensure_parallel_info(bootstrap_addr)
         if ok and self.settings.warmup and self.disaggregation_mode == DisaggregationMode.DECODE:
-            self.decode.ctx.warmup.start(bootstrap_addr)
+            if self.decode.ctx.warmup.start(bootstrap_addr):
+                self.decode.listener.expect_data()  # the warm-up's WRITE needs our progress
         return ok
 
     def prefill_ready(self, bootstrap_addr: str) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from helpers.faults import FaultCluster, RankProc, SoakPlan, make_requests, poll_until
 
+from sgl_nixl_plugin.adapter.decode import BUSY_RECHECK_S, IDLE_POLL_MS
 from sgl_nixl_plugin.bench.session import free_port
 from sgl_nixl_plugin.bench.workload import PRESETS, Workload
 
@@ -35,6 +36,11 @@ WARMUP = 500
 #: Idle budget: 5% of one core, measured over at least 3 s from inside each rank process.
 IDLE_CPU_FRACTION = 0.05
 IDLE_WINDOW_S = 3.0
+#: Control-thread wake-ups an idle rank may make per second: the decode's idle period, with
+#: room for a message or two (a decode that polls at its busy rate makes 1,000) ...
+IDLE_WAKEUPS_PER_S = 1000 / IDLE_POLL_MS + 2
+#: ... plus the decode's busy polling (1 ms) until it sees that its last room has ended.
+BUSY_TAIL_WAKEUPS = int(BUSY_RECHECK_S * 1000) + 5
 
 #: Resident-memory growth allowed from request 500 to request 10,000. Measured here: the
 #: first soak after start-up grows 0.5-3 MiB (allocator arenas and UCX memory pools
@@ -91,6 +97,10 @@ def _assert_idle(cpu: dict[str, dict[str, Any]], when: str) -> None:
         assert frac < IDLE_CPU_FRACTION, (
             f"idle {name} ({when}) used {frac:.1%} of a core; busiest threads: {m['top_threads']}"
         )
+        assert 0 <= m["wakeups"] <= IDLE_WAKEUPS_PER_S * m["wall_s"] + BUSY_TAIL_WAKEUPS, (
+            f"idle {name} ({when}): its control thread woke {m['wakeups']} times in "
+            f"{m['wall_s']:.1f}s"
+        )
 
 
 @pytest.mark.timeout(120)
@@ -105,7 +115,12 @@ def test_idle_managers_use_under_5_percent_of_a_core(pair: Pair) -> None:
     )
     assert pair.prefill.call("state")["peers"] == [pair.decode.info["agent"]]
     cpu = pair.idle_cpu()
-    print("\nidle CPU: " + ", ".join(f"{n} {m['cpu_s'] / m['wall_s']:.2%}" for n, m in cpu.items()))
+    print(
+        "\nidle CPU: "
+        + ", ".join(
+            f"{n} {m['cpu_s'] / m['wall_s']:.2%} ({m['wakeups']} wake-ups)" for n, m in cpu.items()
+        )
+    )
     _assert_idle(cpu, "after registration")
 
 
@@ -167,6 +182,8 @@ def test_soak_10k_requests_leave_nothing_behind(pair: Pair) -> None:
     cpu = pair.idle_cpu()
     print(
         "idle CPU after the soak: "
-        + ", ".join(f"{n} {m['cpu_s'] / m['wall_s']:.2%}" for n, m in cpu.items())
+        + ", ".join(
+            f"{n} {m['cpu_s'] / m['wall_s']:.2%} ({m['wakeups']} wake-ups)" for n, m in cpu.items()
+        )
     )
     _assert_idle(cpu, "after the soak")

@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections import Counter
@@ -598,7 +599,10 @@ class _Rank:
 
     def do_cpu(self, seconds: float) -> dict[str, Any]:
         """CPU time this whole process (every thread) used over ``seconds`` of idling in its
-        normal loop, with the busiest threads for a diagnosis."""
+        normal loop, with the busiest threads for a diagnosis, and how often the manager's
+        control thread woke up meanwhile (-1: this rank has none)."""
+        loop = _control_loop(getattr(self, "mgr", None))
+        wakeups0 = loop.wakeups if loop is not None else 0
         threads0 = _thread_cpu()
         c0, w0 = time.process_time(), time.monotonic()
         end = w0 + seconds
@@ -609,7 +613,16 @@ class _Rank:
         threads1 = _thread_cpu()
         per = {k: threads1[k] - threads0.get(k, 0.0) for k in threads1}
         top = sorted(per.items(), key=lambda kv: -kv[1])[:6]
-        return {"cpu_s": c1 - c0, "wall_s": w1 - w0, "top_threads": top}
+        wakeups = loop.wakeups - wakeups0 if loop is not None else -1
+        return {"cpu_s": c1 - c0, "wall_s": w1 - w0, "top_threads": top, "wakeups": wakeups}
+
+
+def _control_loop(mgr: Any) -> Any:
+    """The manager's control thread (the prefill's control loop, the decode's listener)."""
+    if mgr is None:
+        return None
+    side = getattr(mgr, "side", None)
+    return getattr(side, "control", None) or getattr(side, "listener", None)
 
 
 def rss_bytes() -> int:
@@ -618,13 +631,16 @@ def rss_bytes() -> int:
 
 
 def _thread_cpu() -> dict[str, float]:
+    """CPU seconds per thread of this process, keyed ``name/tid``: a Python thread by its
+    ``threading`` name (the OS name of every thread Python starts is the process's)."""
     out: dict[str, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
+    py_names = {t.native_id: t.name for t in threading.enumerate()}
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
                 raw = f.read()
-            name = raw[raw.index("(") + 1 : raw.rindex(")")]
+            name = py_names.get(int(tid)) or raw[raw.index("(") + 1 : raw.rindex(")")]
             fields = raw[raw.rindex(")") + 2 :].split()
             out[f"{name}/{tid}"] = (int(fields[11]) + int(fields[12])) / tick
         except (OSError, ValueError):
