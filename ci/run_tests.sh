@@ -14,7 +14,7 @@ ruff check . || lint_rc=$?
 ruff format --check . || lint_rc=$?
 
 test_rc=0
-python -m pytest -q -p no:cacheprovider "$@" || test_rc=$?
+python -m pytest -q -p no:cacheprovider --durations=25 "$@" || test_rc=$?
 if [[ $test_rc -eq 5 ]]; then
     echo "run_tests: pytest collected no tests; that is a failure" >&2
 fi

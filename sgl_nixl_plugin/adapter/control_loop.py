@@ -40,7 +40,10 @@ class ControlLoop:
 
     def stop(self) -> None:
         self._stop.set()
-        self.interrupt()
+        if self.thread.ident is None:  # never started: no loop will close the eventfd
+            self._close_interrupt()
+        else:
+            self.interrupt()
 
     def interrupt(self) -> None:
         """End the loop's current sleep now (any thread; a no-op once the loop has ended)."""
@@ -139,9 +142,13 @@ class ControlLoop:
             except Exception:
                 logger.exception("sgl-nixl %s: error; the thread goes on", self.thread.name)
         self.watch.close()
+        self._close_interrupt()
+
+    def _close_interrupt(self) -> None:
         with self._interrupt_lock:
-            os.close(self._interrupt_fd)
-            self._interrupt_fd = -1
+            if self._interrupt_fd >= 0:
+                os.close(self._interrupt_fd)
+                self._interrupt_fd = -1
 
     def _clear_interrupt(self) -> None:
         try:

@@ -98,3 +98,14 @@ def test_a_stopped_loop_closes_its_eventfd_and_ignores_later_interrupts(
             os.eventfd_read(probe)
     finally:
         os.close(probe)
+
+
+def test_a_loop_stopped_before_it_started_closes_its_eventfd(
+    sockets: tuple[zmq.Context, Any],
+) -> None:
+    zctx, pull = sockets
+    before = _eventfds()
+    loop = SleepyLoop(zctx, pull)
+    loop.stop()
+    assert _eventfds() == before
+    loop.interrupt()  # a no-op, not a write to a closed fd
