@@ -27,10 +27,14 @@ from sgl_nixl_plugin.wire.messages import (
 
 logger = logging.getLogger(__name__)
 
-#: Idle wake-up period: how late an ended room's stray WRITE may drain (10 wake-ups a second).
+#: Wake-up periods: while a room awaits data or an ABORT_ACK; while only a warm-up awaits its
+#: replies (its WRITE's wire-up needs this side's progress, a few rounds); idle, which bounds
+#: how late an ended room's stray WRITE drains (10 wake-ups a second).
+BUSY_POLL_MS = 1
+WARMUP_POLL_MS = 20
 IDLE_POLL_MS = 100
-#: While busy, how often to ask whether data is still due (the last room's end is seen this
-#: soon, so the 1 ms polling stops with it).
+#: While not idle, how often to ask whether that is still so (the last room's end is seen
+#: this soon, so the 1 ms polling stops with it).
 BUSY_RECHECK_S = 0.02
 
 
@@ -38,11 +42,12 @@ class DecodeListener(ControlLoop):
     """Applies what prefills send; progresses the NIXL agent while data is due.
 
     A two-sided transport (UCX over TCP) needs the target to progress: while rooms await
-    data, an ABORT_ACK or a warm-up it wakes every millisecond and progresses. Idle, it
-    wakes every ``IDLE_POLL_MS`` and still progresses once, so WRITEs for rooms that already
-    ended here drain instead of holding the prefill's handles. The first request after an
-    idle spell does not wait out that sleep: ``expect_data`` interrupts that sleep; the busy
-    polling ends within ``BUSY_RECHECK_S`` of the last room's end.
+    data or an ABORT_ACK it wakes every millisecond and progresses; while a warm-up awaits
+    its replies, every ``WARMUP_POLL_MS``. Idle, it wakes every ``IDLE_POLL_MS`` and still
+    progresses once, so WRITEs for rooms that already ended here drain instead of holding
+    the prefill's handles. The first request after an idle spell does not wait out that
+    sleep: ``expect_data`` interrupts it; the 1 ms polling ends within ``BUSY_RECHECK_S`` of
+    the last room's end.
     """
 
     def __init__(self, side: DecodePolicy) -> None:
@@ -57,20 +62,21 @@ class DecodeListener(ControlLoop):
         )
         self.side = side
         self.ctx = ctx
-        self._busy = False
-        self._busy_until = 0.0  # when a busy loop next asks whether data is still due
+        self._poll_ms = IDLE_POLL_MS
+        self._recheck_at = 0.0  # when a loop that is not idle next asks whether it still is
         self._expected = 0  # bumped by every expect_data (another thread)
 
-    def expect_data(self) -> None:
-        """Data is due (a transfer request or a warm-up went out): progress from now on,
-        not from the next check."""
+    def expect_data(self, warmup: bool = False) -> None:
+        """Data is due (a transfer request went out, or a warm-up registration): progress
+        at that rate from now on, not from the next check."""
         self._expected += 1
-        if not self._busy:
-            self._busy = True
+        want = WARMUP_POLL_MS if warmup else BUSY_POLL_MS
+        if want < self._poll_ms:
+            self._poll_ms = want
             self.interrupt()
 
     def poll_ms(self) -> int:
-        return 1 if self._busy else IDLE_POLL_MS
+        return self._poll_ms
 
     def on_frames(self, frames: list[Any]) -> None:
         decoded = self.ctx.codec.decode(frames)
@@ -82,25 +88,24 @@ class DecodeListener(ControlLoop):
 
     def tick(self) -> None:
         self.ctx.engine.agent.progress()
-        if self._busy and time.monotonic() >= self._busy_until:
-            self._update_busy()
+        if self._poll_ms != IDLE_POLL_MS and time.monotonic() >= self._recheck_at:
+            self._update_poll()
         super().tick()
 
-    def _update_busy(self) -> set[Endpoint]:
-        """Poll at the busy rate while some prefill owes data, an ABORT_ACK or a warm-up
-        reply, or while an ``expect_data`` raced with this check; returns the prefill ranks
-        that owe data."""
+    def _update_poll(self) -> set[Endpoint]:
+        """The wake-up period for what is due now: 1 ms while some prefill owes data or an
+        ABORT_ACK (or an ``expect_data`` raced with this check), ``WARMUP_POLL_MS`` while
+        only a warm-up waits; returns the prefill ranks that owe data."""
         ctx = self.ctx
         expected = self._expected  # before looking at the rooms: a later request shows here
         pending = self.side.pending_endpoints()
-        self._busy = (
-            bool(pending)
-            or (ctx.warmup is not None and ctx.warmup.waiting())
-            or ctx.sglang.abort_acks_pending()
-        )
-        if expected != self._expected:
-            self._busy = True
-        self._busy_until = time.monotonic() + BUSY_RECHECK_S
+        if pending or ctx.sglang.abort_acks_pending() or expected != self._expected:
+            self._poll_ms = BUSY_POLL_MS
+        elif ctx.warmup is not None and ctx.warmup.waiting():
+            self._poll_ms = WARMUP_POLL_MS
+        else:
+            self._poll_ms = IDLE_POLL_MS
+        self._recheck_at = time.monotonic() + BUSY_RECHECK_S
         return pending
 
     def _dispatch(self, msg: Any) -> None:
@@ -162,7 +167,7 @@ class DecodeListener(ControlLoop):
 
     def check_liveness(self) -> None:
         ctx, side = self.ctx, self.side
-        pending = self._update_busy()
+        pending = self._update_poll()
         known = side.known_endpoints()
         self.watch.sync(known, pending)
         side.close_unused_sockets(known | pending, self.watch.deadline)

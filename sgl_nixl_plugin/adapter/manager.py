@@ -325,7 +325,7 @@ class NixlPluginKVManager(CommonKVManager):
         ok = super().try_ensure_parallel_info(bootstrap_addr)
         if ok and self.settings.warmup and self.disaggregation_mode == DisaggregationMode.DECODE:
             if self.decode.ctx.warmup.start(bootstrap_addr):
-                self.decode.listener.expect_data()  # the warm-up's WRITE needs our progress
+                self.decode.listener.expect_data(warmup=True)  # its WRITE needs our progress
         return ok
 
     def prefill_ready(self, bootstrap_addr: str) -> bool:
