@@ -94,6 +94,9 @@ VARS: tuple[Var, ...] = (
        field="liveness_interval_s"),
     _v("LIVENESS_MISSES", "int", 5, "tuning", "silent intervals before a peer is gone",
        field="liveness_misses", minimum=1),
+    _v("LIVENESS_STALL", "float", 30.0, "tuning",
+       "seconds a peer whose connection still answers heartbeats may leave pings unanswered "
+       "(its control thread busy) before it is gone", field="liveness_stall_s"),
     _v("ABORT_DRAIN_TIMEOUT", "float", 5.0, "tuning",
        "seconds a failed room's staging slots, and a lost prefill's host-pool pages, stay out "
        "of use", field="abort_drain_timeout_s"),
@@ -234,6 +237,7 @@ class Settings:
     kv_mem_kind: str = ""  # "" = what the pointers say, else DRAM/VRAM
     liveness_interval_s: float = 1.0
     liveness_misses: int = 5
+    liveness_stall_s: float = 30.0  # a peer with live heartbeats but a busy control thread
     abort_drain_timeout_s: float = 5.0
     slot_wait_s: float = 2.0  # a chunk waits this long for a receiver slot, then goes direct
     map_indices: bool = True  # prefill GPU gathers read page indices from pinned host memory

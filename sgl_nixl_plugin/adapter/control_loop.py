@@ -24,10 +24,16 @@ logger = logging.getLogger(__name__)
 
 class ControlLoop:
     def __init__(
-        self, zmq_ctx: zmq.Context, sock: Any, interval_s: float, misses: int, name: str
+        self,
+        zmq_ctx: zmq.Context,
+        sock: Any,
+        interval_s: float,
+        misses: int,
+        name: str,
+        stall_s: float = 30.0,
     ) -> None:
         self.sock = sock  # the side's PULL socket: every control message arrives here
-        self.watch = PeerWatch(zmq_ctx, interval_s, misses)
+        self.watch = PeerWatch(zmq_ctx, interval_s, misses, stall_s)
         self._stop = threading.Event()
         self._next_check = 0.0
         self._interrupt_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)

@@ -59,6 +59,7 @@ class DecodeListener(ControlLoop):
             s.liveness_interval_s,
             s.liveness_misses,
             "sgl-nixl-decode-rx",
+            stall_s=s.liveness_stall_s,
         )
         self.side = side
         self.ctx = ctx

@@ -4,9 +4,15 @@ For every peer it knows (a prefill: each accepted decode; a decode: each prefill
 has a route to), the owning control thread keeps one PUSH socket with a ZMQ monitor. A
 peer process that dies closes its sockets, the kernel resets the connection and the
 monitor reports it at once: its rooms fail in milliseconds, with no timer that a busy
-machine could trip, and an idle peer is forgotten. A peer that vanishes without a reset (a
-network partition, a frozen host) stops answering pings and is declared dead after
-``misses`` intervals; only peers that owe us something are pinged.
+machine could trip, and an idle peer is forgotten.
+
+A peer that vanishes without a reset (a network partition, a frozen host) is found by
+ZMTP heartbeats: ZMQ's I/O threads exchange them every interval, so they keep flowing
+while the peer's control thread is busy (a warm-up stuck in NIXL, a batch of messages on a
+starved machine). A connection silent for ``misses`` intervals is closed by ZMQ; we then
+judge the peer as silent since its last pong. Our own pings, answered by the peer's
+control thread, still judge peers that owe us something, but a peer whose connection is
+alive gets ``stall_s`` (a busy thread, not a lost process) before it is declared gone.
 
 Not thread-safe: one control thread owns a ``PeerWatch`` and every socket in it.
 """
@@ -33,13 +39,20 @@ class _Watched:
     last_reply: float = field(default_factory=time.monotonic)
     last_ping: float = 0.0
     pinged: bool = True
+    timed_out: bool = False  # ZMQ closed it for missed heartbeats: silence, not an exit
 
 
 class PeerWatch:
-    def __init__(self, ctx: zmq.Context, interval_s: float, misses: int) -> None:
+    def __init__(
+        self, ctx: zmq.Context, interval_s: float, misses: int, stall_s: float = 30.0
+    ) -> None:
         self.ctx = ctx
         self.interval = interval_s
         self.deadline = interval_s * misses
+        self.stall = max(self.deadline, stall_s)
+        # a connection closed after this much silence was closed by a heartbeat timeout
+        # (a reset comes while pongs still flow): judged as silence, not as an exit
+        self._quiet = min(2 * interval_s, self.deadline / 2)
         self._peers: dict[Endpoint, _Watched] = {}
         self._by_monitor: dict[Any, Endpoint] = {}
         self._last_check = time.monotonic()
@@ -65,6 +78,8 @@ class PeerWatch:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 16)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self.interval * 1000)))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self.deadline * 1000)))
             monitor = sock.get_monitor_socket(
                 zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
             )
@@ -95,7 +110,8 @@ class PeerWatch:
         """Drain one monitor socket; returns ``(endpoint, why)`` for peers found gone.
 
         Gone means an established connection was reset (the process died) or a connection
-        attempt was refused (nothing listens there any more: a stale route).
+        attempt was refused (nothing listens there any more: a stale route). A connection
+        ZMQ closed for missed heartbeats is not reported here: ``silent`` judges it.
         """
         ep = self._by_monitor.get(monitor)
         lost: list[tuple[Endpoint, str]] = []
@@ -108,12 +124,16 @@ class PeerWatch:
             if w is None:
                 break
             if event["event"] == zmq.EVENT_CONNECTED:
-                w.connected = True
+                w.connected, w.timed_out = True, False
                 w.last_reply = time.monotonic()
             elif event["event"] == zmq.EVENT_DISCONNECTED and w.connected:
                 w.connected = False
-                lost.append((ep, "closed its connection (the process exited or restarted)"))
+                w.timed_out = w.pinged and time.monotonic() - w.last_reply > self._quiet
+                if not w.timed_out:
+                    lost.append((ep, "closed its connection (the process exited or restarted)"))
             elif event["event"] == zmq.EVENT_CONNECT_RETRIED and not w.connected:
+                if w.timed_out:  # ZMQ retries after its own close: that says nothing
+                    continue
                 lost.append((ep, "refuses connections (nothing listens there: not running)"))
         return lost
 
@@ -136,7 +156,8 @@ class PeerWatch:
             w.last_reply = time.monotonic()
 
     def silent(self) -> list[tuple[Endpoint, float]]:
-        """Peers that have not answered past the deadline, with how long they've been silent.
+        """Peers that have not answered past the deadline (``stall`` while their connection
+        is up: its heartbeats say the process lives), with how long they've been silent.
 
         If this thread itself was stalled (GIL, CPU starvation) since the last check, the
         stall is forgiven: a peer is only blamed for silence while we were listening.
@@ -150,7 +171,7 @@ class PeerWatch:
         return [
             (ep, now - w.last_reply)
             for ep, w in self._peers.items()
-            if w.pinged and now - w.last_reply > self.deadline
+            if w.pinged and now - w.last_reply > (self.stall if w.connected else self.deadline)
         ]
 
     def forget(self, endpoint: Endpoint) -> None:

@@ -67,6 +67,7 @@ class PrefillControl(ControlLoop):
             s.liveness_interval_s,
             s.liveness_misses,
             "sgl-nixl-prefill-ctl",
+            stall_s=s.liveness_stall_s,
         )
         self.ctx = ctx
         self.wake = wake

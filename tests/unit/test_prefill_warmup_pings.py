@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 import types
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ import zmq
 from helpers.zmq_pair import loopback_pair
 
 from sgl_nixl_plugin.adapter.prefill_control import PrefillControl
+from sgl_nixl_plugin.settings import Settings
 from sgl_nixl_plugin.wire.codec import Codec
 from sgl_nixl_plugin.wire.messages import Ping, Pong, SlotAsk
 
@@ -55,9 +57,7 @@ def control() -> Iterator[tuple[PrefillControl, Any, list[tuple[str, Any]], Code
         codec = Codec()
         sent: list[tuple[str, Any]] = []  # ("send", msg) and ("reject", reason) in order
         ctx = types.SimpleNamespace(
-            settings=types.SimpleNamespace(
-                liveness_interval_s=1.0, liveness_misses=5, warmup=True, warmup_timeout_s=30.0
-            ),
+            settings=replace(Settings(), warmup=True, warmup_timeout_s=30.0),
             zmq_ctx=zctx,
             server_socket=pull,
             codec=codec,
