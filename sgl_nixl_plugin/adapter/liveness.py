@@ -124,8 +124,9 @@ class PeerWatch:
             if w is None:
                 break
             if event["event"] == zmq.EVENT_CONNECTED:
-                w.connected, w.timed_out = True, False
-                w.last_reply = time.monotonic()
+                w.connected = True
+                if not w.timed_out:  # after a heartbeat timeout, silence counts on
+                    w.last_reply = time.monotonic()
             elif event["event"] == zmq.EVENT_DISCONNECTED and w.connected:
                 w.connected = False
                 w.timed_out = w.pinged and time.monotonic() - w.last_reply > self._quiet
@@ -154,10 +155,13 @@ class PeerWatch:
         w = self._peers.get(endpoint)
         if w is not None:
             w.last_reply = time.monotonic()
+            w.timed_out = w.timed_out and not w.connected
 
     def silent(self) -> list[tuple[Endpoint, float]]:
         """Peers that have not answered past the deadline (``stall`` while their connection
-        is up: its heartbeats say the process lives), with how long they've been silent.
+        is up and has not missed heartbeats: the process lives), with how long they've been
+        silent. A connection ZMQ re-made after missed heartbeats keeps the deadline until a
+        pong comes: it may lead to a restarted process.
 
         If this thread itself was stalled (GIL, CPU starvation) since the last check, the
         stall is forgiven: a peer is only blamed for silence while we were listening.
@@ -171,7 +175,9 @@ class PeerWatch:
         return [
             (ep, now - w.last_reply)
             for ep, w in self._peers.items()
-            if w.pinged and now - w.last_reply > (self.stall if w.connected else self.deadline)
+            if w.pinged
+            and now - w.last_reply
+            > (self.stall if w.connected and not w.timed_out else self.deadline)
         ]
 
     def forget(self, endpoint: Endpoint) -> None:
