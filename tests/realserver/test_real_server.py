@@ -120,14 +120,13 @@ CPU_PAGE_SIZES = (
 #: minutes to start on CI's 2 cores, and the multi-process tests cover 0.5.21's PP path.
 PP_ON_CPU = CPU_PAGE_SIZES != (1,)
 
-#: DP attention runs on the newest release only (and the same releases as PP), and only with
-#: ``SGL_NIXL_REALSERVER_DP=1``: ``SGL_NIXL_REALSERVER_DP=1 pytest tests/realserver -k dp``.
-#: A DP pair is four schedulers, two DP controllers and the router on the host's cores (~4
-#: minutes on 2 cores), and there the prefill's control threads stall for 4-18 s in their
-#: own handlers (a warm-up WRITE to a starved decode; batches of requests), so decodes call
-#: a live prefill lost: 3 of 6 DP runs failed so (docs/DESIGN.md, Known gaps). CI leaves it
-#: out until that is fixed; tests/e2e/test_dp_attention.py covers DP in CI.
-DP_ON_CPU = PP_ON_CPU and os.environ.get("SGL_NIXL_REALSERVER_DP", "0") == "1"
+#: DP attention runs on the newest release only (the same releases as PP);
+#: ``SGL_NIXL_REALSERVER_DP=0`` leaves it out. A DP pair is four schedulers, two DP
+#: controllers and the router on the host's cores (~4 minutes on 2 cores); there the
+#: prefill's control threads stall for 4-18 s in their own handlers (a warm-up WRITE to a
+#: starved decode; batches of requests). Before liveness used ZMTP heartbeats, decodes
+#: called such a live prefill lost after 5 s, and 3 of 6 DP runs failed so.
+DP_ON_CPU = PP_ON_CPU and os.environ.get("SGL_NIXL_REALSERVER_DP", "1") != "0"
 
 #: SGLang 0.5.21's host pools allocate and copy through CUDA only (the host_pool_cpu shim
 #: stands in for 0.5.22's and later layouts): its stage runs no host-receive config.
