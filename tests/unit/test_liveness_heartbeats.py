@@ -11,6 +11,7 @@ that exits is still reported at once.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -50,6 +51,8 @@ def peer_process() -> Iterator[tuple[subprocess.Popen, Endpoint]]:
     )  # exits by itself after 60 s; stopped by its pid below
     try:
         assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        assert ready, "the peer process did not print its port within 30 s"
         port = int(proc.stdout.readline())
         yield proc, ("127.0.0.1", port)
     finally:
