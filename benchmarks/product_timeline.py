@@ -154,8 +154,8 @@ def _install(role: str, poll_wait_us: float, bell: bool) -> None:
             def __init__(self, mgr: Any) -> None:
                 pass
 
-            def wait(self) -> None:
-                time.sleep(wait_s)
+            def wait(self, timeout_s: float | None = None) -> None:
+                time.sleep(wait_s if timeout_s is None else timeout_s)
 
         R._StatusBell = Sleeper  # type: ignore[misc, assignment]
 
@@ -221,6 +221,14 @@ def _install(role: str, poll_wait_us: float, bell: bool) -> None:
 
         _patch(TransferWorker, "_one_pass", before=one_pass_in, after=one_pass_out)
 
+        def tail_in(self: Any, rec: Any, *a: Any, **kw: Any) -> None:
+            _ev("p_tail0", rec.room)
+
+        def tail_out(self: Any, out: Any, rec: Any, *a: Any, **kw: Any) -> None:
+            _ev("p_tail1", rec.room)
+
+        _patch(TransferWorker, "_post_tail", before=tail_in, after=tail_out)  # aux, state
+
         def kernel_polled(self: Any, out: Any, *a: Any, **kw: Any) -> None:
             room = kernel_rooms.get(id(self))
             if room is not None and out != "PROC":
@@ -228,6 +236,18 @@ def _install(role: str, poll_wait_us: float, bell: bool) -> None:
                 _ev("p_op_done", room, out)
 
         _patch(KernelXfer, "poll", after=kernel_polled)
+
+        # completion flags: when the worker queued them (the aux rows and state landed)
+        flags_before: dict[int, int] = {}
+
+        def flags_in(self: Any, rec: Any, *a: Any, **kw: Any) -> None:
+            flags_before[rec.room] = len(rec.flags_due)
+
+        def flags_out(self: Any, out: Any, rec: Any, *a: Any, **kw: Any) -> None:
+            if flags_before.pop(rec.room, 0) and not rec.flags_due:
+                _ev("p_flag_queued", rec.room)
+
+        _patch(TransferWorker, "_store_flags", before=flags_in, after=flags_out)
 
         # the launch's host steps, stamped with the room the worker is launching for
         current: dict[str, int] = {"room": -1}
@@ -324,6 +344,18 @@ def _install(role: str, poll_wait_us: float, bell: bool) -> None:
                 _ev("d_room", room, {"ok": ok, "times": dict(rec.times)})
 
         _patch(DecodeSide, "close_room", before=on_close)
+        due_before: dict[int, int] = {}
+
+        def check_in(self: Any, room: int, *a: Any, **kw: Any) -> None:
+            rec = self.ctx.rooms.get(room)
+            due_before[room] = len(rec.flags_due) if rec is not None else 0
+
+        def check_out(self: Any, out: Any, room: int, *a: Any, **kw: Any) -> None:
+            rec = self.ctx.rooms.get(room)
+            if rec is not None and len(rec.flags_due) < due_before.pop(room, 0):
+                _ev("d_flag_seen", room)
+
+        _patch(DecodeSide, "check_flags", before=check_in, after=check_out)
 
 
 def _probed_rank(spec: Any, out: Any, done: Any, release: Any, opts: dict[str, Any]) -> None:
@@ -373,7 +405,11 @@ STEPS = [  # (label, side, how to find it): medians over steady rooms, ms after 
     ("one pass: fast pair launch not taken (n = rooms)", "p_op_step:first:fast_False"),
     ("one pass: units released", "p_op_step:last:release_units1"),
     ("one pass: launch returned", "p_op_launch1"),
+    ("aux and state WRITEs: posting begins", "p_tail0"),
+    ("aux and state WRITEs: posted", "p_tail1"),
+    ("one pass: completion flag queued (aux, state landed)", "p_flag_queued"),
     ("one pass: copy seen done (event)", "p_op_done:DONE"),
+    ("decode: completion flag seen", "d_flag_seen"),
     ("first gather: index upload begins", "tr:first gather"),
     ("indices ready (uploaded)", "tr:indices ready"),
     ("first gather launched", "tr:first:gather launched"),
@@ -471,6 +507,9 @@ def analyse(out_dir: Path, label: str) -> dict[str, Any]:
             rec["engine_like_ms"] = (r["p_op_done:DONE"] - r["p_op_launch0"]) * 1e3
         if "p_op_launch0" in r and "d_rx:TransferStatus" in r:  # to the status received
             rec["gather_to_applied_ms"] = (r["d_rx:TransferStatus"] - r["p_op_launch0"]) * 1e3
+        launch = r.get("p_op_launch0", r.get("tr:first gather"))
+        if launch is not None and "d_poll:Success" in r:  # issue 19's clock
+            rec["launch_to_success_ms"] = (r["d_poll:Success"] - launch) * 1e3
         if "p_poll:WaitingForInput" in r and "d_meta1" in r:
             rec["prefill_late_ms"] = (r["p_poll:WaitingForInput"] - r["d_meta1"]) * 1e3
         per_room.append(rec)
@@ -493,6 +532,8 @@ def analyse(out_dir: Path, label: str) -> dict[str, Any]:
         "product_gbps_p50": gbps("product_ms", st),
         "engine_like_gbps_p50": gbps("engine_like_ms", st),
         "gather_to_applied_gbps_p50": gbps("gather_to_applied_ms", st),
+        "launch_to_success_ms_p50": med("launch_to_success_ms", st),
+        "launch_to_success_gbps_p50": gbps("launch_to_success_ms", st),
         "pieces_p50": med("pieces", st),
         "bytes_p50": med("bytes", st),
     }
@@ -506,6 +547,8 @@ def analyse(out_dir: Path, label: str) -> dict[str, Any]:
         "first gather -> last piece scattered (the engine's clock) {engine_like_ms_p50:.2f} ms = "
         "{engine_like_gbps_p50:.0f} GB/s; first gather -> status applied "
         "{gather_to_applied_ms_p50:.2f} ms = {gather_to_applied_gbps_p50:.0f} GB/s; "
+        "worker's launch (or first gather) -> decode sees Success "
+        "{launch_to_success_ms_p50:.2f} ms = {launch_to_success_gbps_p50:.0f} GB/s; "
         "{pieces_p50:.0f} pieces, {bytes_p50:.3g} bytes".format(**summary)
     )
     print("SUMMARY " + json.dumps(summary))
@@ -548,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         "switch_us": mine.switch_interval_us,
         "stack_dump_s": mine.stack_dump_s,
     }
-    sess = S.Session(cfg)
+    sess = S.Session(cfg, start_method="spawn")  # _probed_rank lives in this script
     for spec in sess.specs:  # Session.start, with the probed entry point
         proc = sess.ctx.Process(
             target=_probed_rank,

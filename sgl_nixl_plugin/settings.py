@@ -77,6 +77,11 @@ VARS: tuple[Var, ...] = (
     _v("CUDA_IPC", "flag", True, "user",
        "a decode offers its KV pool to prefills whose GPU can map it (one-pass transfers)",
        field="cuda_ipc"),
+    _v("DONE_FLAGS", "flag", True, "tuning",
+       "a one-pass room ends when the prefill's copy stream stores a flag in the decode's "
+       "shared memory (/dev/shm), not after the status message's hop (set it on the decode "
+       "or the prefill; 0 on either side turns it off)",
+       field="done_flags"),
     _v("STAGING_BYTES", "int", -1, "user",
        "staging buffer bytes; 0 turns staging off, -1: by memory kind", field="staging_bytes"),
     # tuning: not a stable interface
@@ -88,6 +93,14 @@ VARS: tuple[Var, ...] = (
        field="nixl_threads", minimum=0),
     _v("PROGRESS_THREAD", "flag", False, "tuning", "NIXL's own progress thread",
        field="progress_thread"),
+    _v("LOG_LEVEL", "choice", "", "tuning",
+       "level of the plugin's loggers in SGLang's processes (DEBUG: one line per room); "
+       "unset: SGLang's --log-level",
+       choices=("DEBUG", "INFO", "WARNING", "ERROR"), field="log_level"),
+    _v("SWITCH_INTERVAL_US", "float", 0.0, "tuning",
+       "Python's GIL switch interval in SGLang's scheduler processes, in microseconds (0: "
+       "Python's 5000); each step of the plugin's threads waits up to one interval while "
+       "the scheduler runs Python", field="switch_interval_us", minimum=0.0),
     _v("KV_MEM_KIND", "choice", "", "tuning", "force DRAM or VRAM for the KV pool",
        choices=("DRAM", "VRAM"), field="kv_mem_kind"),
     _v("LIVENESS_INTERVAL", "float", 1.0, "tuning", "seconds between pings of busy peers",
@@ -232,6 +245,7 @@ class Settings:
     progress_thread: bool = False
     transfer_path: str = "auto"
     cuda_ipc: bool = True  # a decode exports its KV pool for one-pass transfers
+    done_flags: bool = True  # one-pass rooms end through a flag in the decode's /dev/shm
     staging_bytes: int = -1  # -1: by memory kind (see ``staging_sizes``); 0: staging off
     staging_piece_bytes: int = -1
     kv_mem_kind: str = ""  # "" = what the pointers say, else DRAM/VRAM
@@ -243,6 +257,8 @@ class Settings:
     map_indices: bool = True  # prefill GPU gathers read page indices from pinned host memory
     warmup: bool = True  # a WRITE into the decode's padding page when it registers
     warmup_timeout_s: float = 1.0  # the prefill's control thread waits this long for it
+    log_level: str = ""  # the plugin's loggers; "": whatever SGLang's --log-level set
+    switch_interval_us: float = 0.0  # 0: leave Python's GIL switch interval as it is
 
     @classmethod
     def from_env(cls) -> Settings:

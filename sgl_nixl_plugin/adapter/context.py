@@ -85,6 +85,7 @@ class PrefillContext(SideBase):
     gpu: int = 0  # this rank's CUDA device (VRAM KV)
     fallbacks: int = 0  # staged chunks sent direct: no receiver slot in time
     warmups: int = 0  # decodes whose padding page took the first WRITE at registration
+    host_warmups: int = 0  # decodes whose scratch buffer took a host-to-host WRITE then
     warmed_shapes: set[tuple[int, int, int]] = field(default_factory=set)
 
     def warm_copier(self, unit_len: int, stride: int = 0, offset: int = 0) -> None:
@@ -166,3 +167,9 @@ class DecodeContext(SideBase):
     # prefill ranks that write our KV pages in one pass (their RegistrationReply said so):
     # their requests get no staging slots
     one_pass: set[Endpoint] = field(default_factory=set)
+    # our completion-flag board (``engine.done_flags.FlagBoard``; None: none), and the
+    # one-pass prefill ranks that mapped it (endpoint -> the rank their statuses carry)
+    flags: Any = None
+    flag_ranks: dict[Endpoint, int] = field(default_factory=dict)
+    flags_given: int = 0  # flag words handed out in transfer requests
+    flag_hits: int = 0  # of those, seen stored (the sender's Success applied from it)

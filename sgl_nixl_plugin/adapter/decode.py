@@ -157,6 +157,10 @@ class DecodeListener(ControlLoop):
                     ctx.one_pass.add(endpoint)
                 else:
                     ctx.one_pass.discard(endpoint)
+                if msg.one_pass and msg.done_flags and ctx.flags is not None:
+                    ctx.flag_ranks[endpoint] = msg.prefill_rank
+                else:
+                    ctx.flag_ranks.pop(endpoint, None)
                 if staging is not None:
                     # before any piece of that rank: its pieces come after this reply
                     staging.set_window(endpoint, tuple(msg.kv_window))

@@ -66,6 +66,7 @@ class DecodePolicy:
         gone; a live one keeps it, so that messages queued on it (aborts) still leave."""
         self.ctx.sglang.forget_prefill_endpoint(endpoint, disconnect)
         self.ctx.one_pass.discard(endpoint)
+        self.ctx.flag_ranks.pop(endpoint, None)
         if self.ctx.warmup is not None:
             self.ctx.warmup.forget(endpoint)
 

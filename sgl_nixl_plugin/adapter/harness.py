@@ -11,6 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+#: SGLang's modules a rank needs, which the bench's forkserver imports ahead of its ranks.
+#: Their import reads none of the variables a rank sets (SGLang's settings are read when
+#: used); plugins load in :func:`boot`, after the rank has its environment.
+PRELOAD_MODULES = (
+    "sglang.srt.server_args",
+    "sglang.srt.disaggregation.utils",
+    "sglang.srt.disaggregation.common.conn",
+)
+
 #: The classes :func:`boot` fetches through ``get_kv_class``, by ``KVClassType`` name (lower case).
 KV_CLASS_KINDS = ("kvargs", "manager", "sender", "receiver", "bootstrap_server")
 

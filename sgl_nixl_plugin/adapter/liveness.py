@@ -111,7 +111,8 @@ class PeerWatch:
 
         Gone means an established connection was reset (the process died) or a connection
         attempt was refused (nothing listens there any more: a stale route). A connection
-        ZMQ closed for missed heartbeats is not reported here: ``silent`` judges it.
+        ZMQ closed for missed heartbeats is not reported here while ``silent`` judges it
+        (the peer is pinged); after that, its refused reconnections report it.
         """
         ep = self._by_monitor.get(monitor)
         lost: list[tuple[Endpoint, str]] = []
@@ -129,14 +130,24 @@ class PeerWatch:
                     w.last_reply = time.monotonic()
             elif event["event"] == zmq.EVENT_DISCONNECTED and w.connected:
                 w.connected = False
-                w.timed_out = w.pinged and time.monotonic() - w.last_reply > self._quiet
+                w.timed_out = w.pinged and self._silence(w) > self._quiet
                 if not w.timed_out:
                     lost.append((ep, "closed its connection (the process exited or restarted)"))
             elif event["event"] == zmq.EVENT_CONNECT_RETRIED and not w.connected:
-                if w.timed_out:  # ZMQ retries after its own close: that says nothing
+                if w.timed_out and w.pinged:
+                    # ZMQ's retries after its own close say nothing while silence judges
+                    # the peer; once it owes nothing, a refusal is the only verdict left
                     continue
                 lost.append((ep, "refuses connections (nothing listens there: not running)"))
         return lost
+
+    def _silence(self, w: _Watched) -> float:
+        """How long ``w`` has gone unanswered while this thread was listening: a gap since
+        the last check longer than an interval is this thread's own stall (CPU or GIL), as
+        :meth:`silent` forgives it, and no sign of a heartbeat timeout."""
+        now = time.monotonic()
+        away = now - self._last_check
+        return now - w.last_reply - (away if away > self.interval else 0.0)
 
     def ping(self, make_ping: Callable[[int], list[Any]]) -> None:
         """Send a ping to every watched peer that is due one."""

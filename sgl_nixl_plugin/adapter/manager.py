@@ -35,6 +35,7 @@ from sgl_nixl_plugin.adapter.memory import (
 from sgl_nixl_plugin.adapter.one_pass import offer as offer_one_pass
 from sgl_nixl_plugin.adapter.pipeline_stages import PrefillStage
 from sgl_nixl_plugin.adapter.prefill_side import PrefillSide
+from sgl_nixl_plugin.adapter.process_knobs import apply_process_knobs
 from sgl_nixl_plugin.adapter.sglang_rooms import (
     AbortTarget,
     SGLangRooms,
@@ -82,6 +83,7 @@ class NixlPluginKVManager(CommonKVManager):
         self._advertise = False  # SGLang's __init__ registers at the bootstrap: hold that
         self._stopping = False
         self.settings = Settings.from_env()
+        apply_process_knobs(self.settings)
         self.codec = Codec(secret=self.settings.secret)
         self.codec.rejections.listeners.append(metrics.rejected)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
@@ -102,7 +104,12 @@ class NixlPluginKVManager(CommonKVManager):
         config = registry.resolve_agent_config()
         if config.num_threads == 0 and is_prefill:
             config.num_threads = self.settings.nixl_threads  # the initiator drives the WRITEs
-        self.engine = TransferEngine(config, memory, progress_thread=self.settings.progress_thread)
+        self.engine = TransferEngine(
+            config,
+            memory,
+            progress_thread=self.settings.progress_thread,
+            scratch=not is_prefill and len(memory.aux) > 0 and memory.aux.mem_kind == "DRAM",
+        )
         self.compat = compat_of(args, bool(is_mla_backend))
         self.compat_hash = compat_hash(self.compat)
         self.transport = Transport(
@@ -137,7 +144,7 @@ class NixlPluginKVManager(CommonKVManager):
         else:
             self.decode = self.side = DecodeSide(self._decode_context(base, gpu))
             # once: a registration sent again must be identical (the prefill keeps its link)
-            self._ipc_offer = offer_one_pass(self.settings, memory, gpu)
+            self._ipc_offer, self.decode.ctx.flags = offer_one_pass(self.settings, memory, gpu)
             self._start_heartbeat_checker_thread()
         self.side.start()
         if is_prefill:
@@ -349,6 +356,7 @@ class NixlPluginKVManager(CommonKVManager):
             state=[to_regions(s) for s in mem.state],
             staging=self.decode.staging_area(),
             ipc=self._ipc_offer,
+            scratch=None if self.engine.scratch is None else to_regions(self.engine.scratch)[0],
             host_kv=to_regions(mem.host_kv) if mem.host_kv is not None else [],
             host_state=[to_regions(s) for s in mem.host_state],
             pp_rank=int(self.pp_rank),
@@ -386,7 +394,7 @@ class NixlPluginKVManager(CommonKVManager):
             and len(kv) > 0
             and (not host or staging.host_capable)
         )
-        slots, staged = self.decode.request(bootstrap_room, kv, staged, bool(is_dummy), host)
+        slots, staged, flag = self.decode.request(bootstrap_room, kv, staged, bool(is_dummy), host)
         req = TransferRequest(
             room=bootstrap_room,
             agent_name=self.engine.name,
@@ -400,6 +408,8 @@ class NixlPluginKVManager(CommonKVManager):
             staged=staged,
             staging_slots=slots,
             host=host,
+            done_flag=flag[0] if flag is not None else -1,
+            done_value=flag[1] if flag is not None else 0,
         )
         return self.codec.encode(req, [kv, *state])
 
@@ -453,6 +463,8 @@ class NixlPluginKVManager(CommonKVManager):
             t.join(timeout=5)
         if isinstance(self.side, PrefillSide):
             self.side.close_mappings()
+        else:
+            self.side.close_flags()
         self.engine.close()
         if any(t.is_alive() for t in threads):
             logger.warning("sgl-nixl: a control thread did not stop; its sockets stay open")

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from sgl_nixl_plugin.engine.done_flags import FlagBoard, FlagError, FlagWriter
 from sgl_nixl_plugin.engine.engine import Memory, PeerLink
 from sgl_nixl_plugin.settings import Settings
 from sgl_nixl_plugin.wire.messages import CudaIpc, IpcBlock, PeerRegistration
@@ -22,26 +23,36 @@ def allowed(settings: Settings) -> bool:
     return settings.cuda_ipc and settings.transfer_path in ("auto", "ipc")
 
 
-def offer(settings: Settings, memory: Memory, gpu: int) -> CudaIpc | None:
+def offer(settings: Settings, memory: Memory, gpu: int) -> tuple[CudaIpc | None, Any]:
     """The decode's KV pool exported for CUDA IPC, or None (host memory, turned off, or
-    not exportable: e.g. allocations of CUDA's virtual memory API)."""
+    not exportable: e.g. allocations of CUDA's virtual memory API); with it, the flag
+    board its one-pass rooms end through (a ``FlagBoard``, or None)."""
     if not allowed(settings) or memory.kv.mem_kind != "VRAM" or not len(memory.kv):
-        return None
+        return None, None
     from sgl_nixl_plugin.engine import cuda_ipc
 
     if not cuda_ipc.available():
-        return None
+        return None, None
     try:
         export = cuda_ipc.export_ranges(list(zip(memory.kv.ptrs, memory.kv.lens, strict=True)), gpu)
     except cuda_ipc.IpcError as exc:
         logger.info("sgl-nixl: KV pool not offered for one-pass transfers: %s", exc)
-        return None
-    return CudaIpc(
+        return None, None
+    board = None
+    if settings.done_flags:
+        try:
+            board = FlagBoard()
+        except FlagError as exc:
+            logger.info("sgl-nixl: no completion flags for one-pass rooms: %s", exc)
+    offer = CudaIpc(
         host=export.host,
         device_uuid=export.device_uuid,
         pid=export.pid,
         blocks=[IpcBlock(b.handle, b.base, b.size) for b in export.blocks],
+        flag_board=board.path if board is not None else "",
+        flag_slots=board.slots if board is not None else 0,
     )
+    return offer, board
 
 
 def attach(
@@ -85,7 +96,24 @@ def attach(
         logger.warning("sgl-nixl: decode %s: one-pass warm-up failed: %s", reg.agent_name, exc)
         return f", one-pass off (warm-up failed: {exc})"
     where = "this GPU" if op.same_device else "a peer GPU"
-    return f", one-pass writes into its pool on {where} (CUDA IPC, warm-up {ms:.1f} ms)"
+    flags = _open_flags(settings, reg.ipc, gpu)
+    op.flags = flags if isinstance(flags, FlagWriter) else None
+    note = ", completion flags" if op.flags is not None else f", no completion flags ({flags})"
+    return f", one-pass writes into its pool on {where} (CUDA IPC, warm-up {ms:.1f} ms{note})"
+
+
+def _open_flags(settings: Settings, ipc: CudaIpc, gpu: int) -> FlagWriter | str:
+    """The decode's flag board mapped here, or why not (its rooms then end with the
+    status message only)."""
+    if not settings.done_flags:
+        return "SGLANG_NIXL_PLUGIN_DONE_FLAGS=0"
+    if not ipc.flag_board:
+        return "the decode offers none"
+    try:
+        return FlagWriter(ipc.flag_board, ipc.flag_slots, gpu)
+    except Exception as exc:  # FlagError, or CUDA refusing to register it
+        logger.info("sgl-nixl: decode's flag board %s not used: %s", ipc.flag_board, exc)
+        return str(exc)
 
 
 def _warm(op: Any, copier: Any, stream: Any, timeout_s: float) -> float:

@@ -38,6 +38,7 @@ from sgl_nixl_plugin.wire.messages import (
     PieceDone,
     Ping,
     Pong,
+    Region,
     RegistrationReply,
     SlotGrant,
     SlotRecall,
@@ -203,11 +204,21 @@ class PrefillControl(ControlLoop):
         reason: str = "",
         retry: bool = False,
         window: tuple[int, ...] | None = None,
-        one_pass: bool = False,
+        one_pass: Any = None,
     ) -> None:
+        """``one_pass``: the decode's ``OnePassLink`` on this rank, if it has one."""
         me = self.ctx.me
         reply = RegistrationReply(
-            agent, me.rank, not reason, reason, me.ip, me.port, retry, list(window or ()), one_pass
+            agent,
+            me.rank,
+            not reason,
+            reason,
+            me.ip,
+            me.port,
+            retry,
+            list(window or ()),
+            one_pass is not None,
+            one_pass is not None and one_pass.flags is not None,
         )
         self.ctx.send(endpoint, reply)
 
@@ -245,7 +256,7 @@ class PrefillControl(ControlLoop):
                 endpoint,
                 reg.agent_name,
                 window=known.window,
-                one_pass=known.link.one_pass is not None,
+                one_pass=known.link.one_pass,
             )
             return
         if known is not None:
@@ -291,7 +302,7 @@ class PrefillControl(ControlLoop):
                 link = ctx.engine.link(
                     reg.agent_metadata, remote, {"kv": geometry}, page_tokens=pages
                 )
-                warm_ms = self._warm(link, reg.agent_name, _remote_staging(reg))
+                warm_ms = self._warm(link, reg.agent_name, _remote_staging(reg), reg.scratch)
                 one_pass = attach_one_pass(
                     settings=ctx.settings,
                     link=link,
@@ -356,14 +367,20 @@ class PrefillControl(ControlLoop):
             reg.agent_name,
             reason,
             window=window,
-            one_pass=not reason and link is not None and link.one_pass is not None,
+            one_pass=link.one_pass if not reason and link is not None else None,
         )
 
-    def _warm(self, link: PeerLink, agent: str, staging: RemoteStaging | None) -> float | None:
-        """The first WRITEs to a new decode, into its padding page and (staged path) its
-        staging buffer's spare tail, before the reply: the decode waits for the reply
-        before its first request where it can (see ``DecodeWarmup``). A failure is logged,
-        not a refusal: the requests then report it."""
+    def _warm(
+        self,
+        link: PeerLink,
+        agent: str,
+        staging: RemoteStaging | None,
+        scratch: Region | None,
+    ) -> float | None:
+        """The first WRITEs to a new decode, into its padding page, (staged path) its
+        staging buffer's spare tail and (host aux rows) its scratch buffer, before the
+        reply: the decode waits for the reply before its first request where it can (see
+        ``DecodeWarmup``). A failure is logged, not a refusal: the requests then report it."""
         if not self.ctx.settings.warmup:
             return None
         engine, local = self.ctx.engine, self.ctx.staging
@@ -373,6 +390,10 @@ class PrefillControl(ControlLoop):
             ms = engine.warm(link, bound, idle) * 1e3
             if local is not None and staging is not None:
                 ms += engine.warm_staging(link, local, staging, bound, idle) * 1e3
+            if scratch is not None and scratch.mem_kind == "DRAM":
+                host_s = engine.warm_host(link, scratch.ptr, scratch.length, bound, idle)
+                self.ctx.host_warmups += host_s > 0
+                ms += host_s * 1e3
             self.ctx.warmups += 1
             return ms
         except TransferError as exc:
@@ -456,6 +477,8 @@ class PrefillControl(ControlLoop):
                 required_dst_info_num=req.required_dst_info_num,
                 is_dummy=req.is_dummy,
                 host=req.host,
+                done_flag=req.done_flag,
+                done_value=req.done_value,
             )
         )
         if count is None:

@@ -33,6 +33,14 @@ class NixlPluginKVReceiver(CommonKVReceiver):
             self.conclude_state = KVPoll.Failed
             side.policy.tell_prefills(self.bootstrap_room, endpoints, why)
 
+    def poll(self) -> KVPoll:
+        """SGLang's poll, after applying completion flags its one-pass prefill ranks stored
+        (``DecodeSide.check_flags``): the scheduler polls every loop, so the room ends
+        as its copy ends."""
+        if self.conclude_state is None:
+            self.kv_mgr.decode.check_flags(self.bootstrap_room)
+        return super().poll()
+
     @property
     def supports_host_destination(self) -> bool:
         return bool(self.kv_mgr.supports_host_destination)

@@ -169,6 +169,9 @@ class TransferWorker:
         if rec is None:
             rec = self.active[room] = self.ctx.rooms.claim(room)
         rec.last_chunk_seen = rec.last_chunk_seen or chunk.is_last
+        rec.chunks += 1
+        if chunk.is_last:
+            rec.last_chunk_at = time.perf_counter()
         if rec.stopping or sg.is_failed_or_gone(room):
             rec.fail(rec.reason or "room ended")
             self._maybe_finish(rec)
@@ -204,35 +207,50 @@ class TransferWorker:
                 )
             except TransferError as exc:
                 raise TransferError(f"decode {info.agent} {exc}") from exc
-        xfers = [self._one_pass(rec, info, peer, src, dst)]
-        job = None if xfers[0] is not None else self._staged(rec, info, peer, src, dst, first)
-        if xfers[0] is not None:
-            rec.path = "ipc"
-        elif job is not None:
-            rec.jobs.append(job)
-            rec.path = "staging"
-            self._step_jobs(rec)  # first gather now, ahead of the aux and state WRITEs
-        else:
-            xfers.append(engine.write(link, group, src, dst))
-        if chunk.is_last:
-            if chunk.aux_index is not None and info.aux_index >= 0:
-                xfers.append(
-                    engine.write(
-                        link, "aux", np.array([chunk.aux_index]), np.array([info.aux_index])
-                    )
-                )
-            for i, (src, dst_state) in enumerate(zip(chunk.state or [], info.state, strict=False)):
-                if src is None or not len(dst_state):
-                    continue
-                src = np.asarray(src, dtype=np.int64).ravel()
-                if len(src) != len(dst_state):
-                    raise TransferError(
-                        f"state[{i}]: prefill has {len(src)} indices, decode {len(dst_state)}"
-                    )
-                xfers.append(engine.write(link, f"{info.groups}state{i}", src, dst_state))
+        # each transfer is tracked as soon as it is posted: should a later post raise,
+        # the room still waits for (and releases) what is in flight
         rec.peers.add(info.agent)
-        for x in xfers:
-            self._track(rec, x)
+        if self._takes_one_pass(info, peer, src):
+            self._track(rec, self._one_pass(rec, info, peer, src, dst))
+            rec.path = "ipc"
+        else:
+            if len(src):
+                rec.not_one_pass.add(info.agent)  # no completion flag: the status ends it
+            job = self._staged(rec, info, peer, src, dst, first)
+            if job is not None:
+                rec.jobs.append(job)
+                rec.path = "staging"
+                self._step_jobs(rec)  # first gather now, ahead of the aux and state WRITEs
+            else:
+                self._track(rec, engine.write(link, group, src, dst))
+        if chunk.is_last:
+            self._post_tail(rec, chunk, info, link)
+            op = link.one_pass
+            if (
+                info.done_flag >= 0
+                and op is not None
+                and op.flags is not None
+                and info.agent not in rec.not_one_pass
+            ):
+                rec.flags_due[info.agent] = (op, info.done_flag, info.done_value)
+
+    def _post_tail(self, rec: PrefillRoom, chunk: Chunk, info: TransferInfo, link: Any) -> None:
+        """Post the room's aux row and state WRITEs (with its last chunk)."""
+        engine = self.ctx.engine
+        if chunk.aux_index is not None and info.aux_index >= 0:
+            self._track(
+                rec,
+                engine.write(link, "aux", np.array([chunk.aux_index]), np.array([info.aux_index])),
+            )
+        for i, (src, dst_state) in enumerate(zip(chunk.state or [], info.state, strict=False)):
+            if src is None or not len(dst_state):
+                continue
+            src = np.asarray(src, dtype=np.int64).ravel()
+            if len(src) != len(dst_state):
+                raise TransferError(
+                    f"state[{i}]: prefill has {len(src)} indices, decode {len(dst_state)}"
+                )
+            self._track(rec, engine.write(link, f"{info.groups}state{i}", src, dst_state))
 
     def _track(self, rec: PrefillRoom, x: Any) -> None:
         if x is None:
@@ -245,6 +263,17 @@ class TransferWorker:
         rec.descriptors += x.descriptors
         self.ctx.sglang.begin_transfer(rec.room)
 
+    def _takes_one_pass(self, info: TransferInfo, peer: DecodePeer, src: np.ndarray) -> bool:
+        """Whether the chunk goes by a one-pass copy: the link has one (mapped at
+        registration where the settings allow it) and the destination is the decode's
+        device pool."""
+        return bool(
+            peer.link.one_pass is not None
+            and not info.groups
+            and len(src)
+            and self.ctx.copier is not None
+        )
+
     def _one_pass(
         self,
         rec: PrefillRoom,
@@ -252,13 +281,10 @@ class TransferWorker:
         peer: DecodePeer,
         src: np.ndarray,
         dst: np.ndarray,
-    ) -> Any:
-        """Launch the chunk's one-pass copy into the decode's mapped pool when the link has
-        one (mapped at registration where the settings allow it) and the destination is
-        the decode's device pool; the transfer, else None."""
+    ) -> KernelXfer:
+        """Launch the chunk's one-pass copy into the decode's mapped pool."""
         ctx, op = self.ctx, peer.link.one_pass
-        if op is None or info.groups or not len(src) or ctx.copier is None:
-            return None
+        assert op is not None and ctx.copier is not None
         xfer = op.write(ctx.copier, src, dst, ctx.copy_stream)
         if not any(j.info.agent == info.agent for j in rec.jobs):
             self._give_back(rec, info.agent)  # granted with the request: not needed here
@@ -544,9 +570,29 @@ class TransferWorker:
         if finish:
             self._maybe_finish(rec)
 
+    def _store_flags(self, rec: PrefillRoom) -> None:
+        """Once only the room's copies are in flight (its aux rows and state landed, no
+        staged job), queue each one-pass decode's completion flag behind them on the copy
+        stream. A room that stops first stores none: its status message ends it."""
+        if rec.stopping or self.ctx.sglang.is_failed_or_gone(rec.room):
+            rec.flags_due.clear()
+            return
+        if rec.jobs or any(not isinstance(x, KernelXfer) for x in rec.xfers):
+            return
+        due, rec.flags_due = rec.flags_due, {}
+        for agent, (op, word, value) in due.items():
+            try:
+                self._track(rec, op.signal(word, value, self.ctx.copy_stream))
+            except Exception as exc:  # the flag only saves time: the status still goes
+                logger.warning(
+                    "sgl-nixl: room %s: no completion flag for decode %s: %s", rec.room, agent, exc
+                )
+
     def _maybe_finish(self, rec: PrefillRoom) -> None:
         """Close the room once nothing is in flight: failed, aborted, released or gone, or
         its last chunk landed (Success; never for a room SGLang already marked Failed)."""
+        if rec.flags_due:
+            self._store_flags(rec)
         if rec.busy:
             return
         sg, rooms = self.ctx.sglang, self.ctx.rooms

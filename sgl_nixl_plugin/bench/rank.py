@@ -437,6 +437,9 @@ class _Collector:
         self.events[event.room] = event
 
 
+FLAG_POLL_S = 20e-6  # the decode loop's wait while a room waits for a completion flag
+
+
 class _StatusBell:
     """Wakes a bench loop when the manager records a status change.
 
@@ -482,8 +485,8 @@ class _StatusBell:
 
         mgr.conclude_transfer = conclude_transfer
 
-    def wait(self) -> None:
-        self._event.wait(self.WAIT_S)
+    def wait(self, timeout_s: float | None = None) -> None:
+        self._event.wait(self.WAIT_S if timeout_s is None else timeout_s)
         self._event.clear()  # before the polls that follow: a later change rings again
 
 
@@ -650,6 +653,9 @@ def run_decode(
         is_mla,
     )
     bell = _StatusBell(mgr)
+    # rooms that end through a completion flag ring no bell: poll them as SGLang's decode
+    # scheduler does while transfers are pending (every loop)
+    flags_pending = getattr(getattr(mgr, "decode", None), "flags_pending", lambda: False)
     w = spec.workload
     pool = PagePool(pools.pages, seed=w.seed + 31 * spec.instance + 7 * spec.tp_rank + 2)
     # SGLang's host allocator hands out page 0 too (only the device pools keep it back)
@@ -834,7 +840,7 @@ def run_decode(
                     host_pool.release(ctx["pages"])
                 slots.append(ctx["slot"])
                 del held[room]
-        bell.wait()
+        bell.wait(FLAG_POLL_S if flags_pending() else None)
     timed_out = [r.room for r in pending] + list(active)
     if painted:
         # checked once every room ended here: a write the prefill still made into an aborted

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sgl_nixl_plugin.bench import procs
 from sgl_nixl_plugin.bench.rank import INTREE_PLUGINS, RankSpec, rank_main, requests_of
 from sgl_nixl_plugin.bench.workload import Workload
 
@@ -33,11 +34,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_process(spec: RankSpec, out: Any, done: Any, release: Any = None) -> None:
+def _rank_process(
+    spec: RankSpec, out: Any, done: Any, release: Any, inherited: procs.Inherited
+) -> None:
     """Process target: run the rank, flush its result, then exit at once. A backend may leave
     non-daemon threads behind (SGLang's in-tree NIXL prefill starts its bootstrap thread
     without ``daemon=True``), which would keep the process alive until ``_reap`` gives up
     after 15 s and terminates it."""
+    inherited.apply()
     rank_main(spec, out, done, release)
     out.close()
     out.join_thread()
@@ -188,9 +192,11 @@ def _specs(cfg: SessionConfig) -> tuple[list[RankSpec], list[str]]:
 class Session:
     """Starts every rank; ``wait`` collects results; ``kill`` is for failure tests."""
 
-    def __init__(self, cfg: SessionConfig) -> None:
+    def __init__(self, cfg: SessionConfig, start_method: str | None = None) -> None:
+        """``start_method``: ``spawn`` for ranks whose entry point lives in a script's
+        ``__main__`` (a forked child cannot import it); by default, ``procs.context``."""
         self.cfg = cfg
-        self.ctx = mp.get_context("spawn")
+        self.ctx = mp.get_context(start_method) if start_method else procs.context(cfg.mem_kind)
         self.out = self.ctx.Queue()
         self.done = self.ctx.Event()
         self.release = self.ctx.Event()  # every result is in: decode ranks may close
@@ -200,15 +206,19 @@ class Session:
 
     def start(self) -> Session:
         for spec in self.specs:
-            p = self.ctx.Process(
-                target=_rank_process,
-                args=(spec, self.out, self.done, self.release),
-                daemon=True,
-                name=f"{spec.role}{spec.instance}.{spec.rank}",
-            )
-            p.start()
-            self.procs[(spec.role, spec.instance, spec.rank)] = p
+            self.start_rank(spec)
         return self
+
+    def start_rank(self, spec: RankSpec) -> None:
+        """Start one rank's process, with the environment and output this process has now."""
+        p = self.ctx.Process(
+            target=_rank_process,
+            args=(spec, self.out, self.done, self.release, procs.Inherited()),
+            daemon=True,
+            name=f"{spec.role}{spec.instance}.{spec.rank}",
+        )
+        p.start()
+        self.procs[(spec.role, spec.instance, spec.rank)] = p
 
     def kill(self, role: str, instance: int = 0, rank: int = 0) -> None:
         """Kill one rank: ``rank`` is its world rank in the server (``RankSpec.rank``)."""

@@ -38,6 +38,8 @@ WARM_DESCRIPTORS = 1024
 #: ... within this many bytes (large pages: fewer items), so that a slow link (TCP) keeps
 #: the prefill's control thread busy for tens of milliseconds at most.
 WARM_MAX_BYTES = 32 << 20
+#: Bytes of the host buffer a decode registers for warm-up WRITEs only (``warm_host``).
+SCRATCH_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -147,13 +149,22 @@ class TransferEngine:
         memory: Memory,
         name: str | None = None,
         progress_thread: bool = False,
+        scratch: bool = False,
     ) -> None:
+        """``scratch``: also register a small host buffer that peers' warm-ups WRITE into
+        (a decode whose aux rows are in host memory: see ``warm_host``)."""
         self.agent = Agent(config, name, progress_thread)
         self.memory = memory
         self._local_lists: dict[tuple[str, Geometry, tuple[int, ...]], _Side] = {}
         self._lock = threading.Lock()
         for regions in memory.groups().values():
             self.agent.register(regions)
+        self._scratch = np.zeros(SCRATCH_BYTES if scratch else 0, dtype=np.uint8)
+        self.scratch: RegionSet | None = None
+        if scratch:
+            ptr = int(self._scratch.ctypes.data)
+            self.scratch = RegionSet.of([ptr], [SCRATCH_BYTES], [SCRATCH_BYTES], "DRAM")
+            self.agent.register(self.scratch)
 
     @property
     def name(self) -> str:
@@ -337,6 +348,42 @@ class TransferEngine:
         self._wait_warm(
             link, xfer, started + timeout_s, timeout_s, "staging warm-up WRITE", idle=idle
         )
+        return time.monotonic() - started
+
+    def warm_host(
+        self,
+        link: PeerLink,
+        dst: int,
+        dst_len: int,
+        timeout_s: float = 1.0,
+        idle: Callable[[], object] | None = None,
+    ) -> float:
+        """WRITE the start of our first aux row into the peer's scratch buffer (``dst``,
+        ``dst_len`` bytes of its host memory) and wait; seconds (0 when we have no host aux
+        rows). UCX chooses its protocol per operation and memory kinds on their first use:
+        the KV warm-up covers device memory, this covers the host-to-host WRITE of every
+        request's aux rows (0.5-0.7 ms on a GPU host's first room). Only the scratch buffer,
+        which no request uses, is written; our aux row is only read."""
+        aux = self.memory.aux
+        if not len(aux) or aux.mem_kind != "DRAM" or "aux" not in link.groups:
+            return 0.0
+        nbytes = min(aux.item_lens[0], dst_len, SCRATCH_BYTES)
+        if nbytes <= 0:
+            return 0.0
+        started = time.monotonic()
+        try:
+            xfer = self.agent.write_contiguous(
+                aux.ptrs[0],
+                dst,
+                nbytes,
+                peer=link.name,
+                mem_kind="DRAM",
+                remote_mem_kind="DRAM",
+                local_device=aux.devices[0],
+            )
+        except TransferError as exc:
+            raise TransferError(f"host warm-up WRITE to {link.name}: {exc}") from exc
+        self._wait_warm(link, xfer, started + timeout_s, timeout_s, "host warm-up WRITE", idle=idle)
         return time.monotonic() - started
 
     def _wait_warm(

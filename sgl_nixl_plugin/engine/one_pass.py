@@ -74,6 +74,7 @@ class OnePassLink:
         self._lock = threading.Lock()
         self._closed = False
         self._last: Any = None  # the event after the latest launch
+        self.flags: Any = None  # the decode's flag board, mapped (``done_flags.FlagWriter``)
 
     @property
     def closed(self) -> bool:
@@ -121,6 +122,20 @@ class OnePassLink:
         nbytes = n * self.unit_len * len(self.src_ptrs)
         return KernelXfer(handle=event, peer=self.peer, nbytes=nbytes, descriptors=0, event=event)
 
+    def signal(self, slot: int, value: int, stream: Any) -> KernelXfer:
+        """Store a room's completion flag on ``stream``, after the copies queued there;
+        DONE once stored. Refused once closed, like a launch."""
+        import torch
+
+        with self._lock:
+            if self._closed or self.flags is None:
+                raise TransferError(f"decode {self.peer}: its flag board was released")
+            self.flags.write(slot, value, stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._last = event
+        return KernelXfer(handle=event, peer=self.peer, nbytes=0, descriptors=0, event=event)
+
     def close(self, timeout_s: float = 10.0) -> None:
         """No launch after this; unmap once the last launch finished (bounded wait: a
         kernel runs for milliseconds)."""
@@ -143,6 +158,8 @@ class OnePassLink:
                 time.sleep(0.0005)
         except Exception as exc:
             logger.error("sgl-nixl: the last one-pass copy to %s failed: %s", self.peer, exc)
+        if self.flags is not None:
+            self.flags.close()
         self.mapping.close()
 
 

@@ -67,6 +67,10 @@ class DecodeRoom:
     aborted_at: float | None = None  # when its abort went to its prefill ranks
     acked: set[Endpoint] = field(default_factory=set)
     lost_at: dict[Endpoint, float] = field(default_factory=dict)
+    # one-pass senders' completion flags (``engine.done_flags``): every board word taken
+    # for the room (freed when it closes), and the (word, value, prefill rank) not yet seen
+    flag_words: list[int] = field(default_factory=list)
+    flags_due: list[tuple[int, int, int]] = field(default_factory=list)
 
     def undrained(self) -> set[Endpoint]:
         """Prefill ranks that may still write into this room's pages."""
@@ -145,6 +149,9 @@ class DecodeRooms:
         rec = self._rooms.get(room)
         if rec is not None and not (first and step in rec.times):
             rec.times[step] = time.perf_counter()
+
+    def records(self) -> list[DecodeRoom]:
+        return list(self._rooms.values())
 
     def __contains__(self, room: int) -> bool:
         return room in self._rooms

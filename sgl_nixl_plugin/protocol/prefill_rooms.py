@@ -47,6 +47,10 @@ class TransferInfo:
     required_dst_info_num: int
     is_dummy: bool
     host: bool = False  # the pages are in the decode's host pool
+    # a one-pass room's completion flag on the decode's board (-1: none): the word and the
+    # value to store there once every byte landed
+    done_flag: int = -1
+    done_value: int = 0
 
     @property
     def groups(self) -> str:
@@ -88,10 +92,17 @@ class PrefillRoom:
     ready_at: float = 0.0  # every destination filed: SGLang's sender may send
     claimed_at: float = 0.0  # its first chunk reached the worker
     first_post_at: float = 0.0  # its first WRITE was posted
+    last_chunk_at: float = 0.0  # its last chunk reached the worker (after the last forward)
+    chunks: int = 0  # chunks SGLang's sender handed over
     slot_wait_s: float = 0.0  # staged chunks waiting for the decode's first staging slot
     pieces: int = 0  # staged pieces that landed
     nixl_post_us: int = 0  # NIXL telemetry of its direct WRITEs, when captured
     nixl_xfer_us: int = 0
+    # decode agents whose chunks did not all go in one pass: no completion flag for them
+    not_one_pass: set[str] = field(default_factory=set)
+    # decode agent -> (its one-pass link, flag word, value): stored once nothing but the
+    # room's copies is in flight (its aux rows and state landed)
+    flags_due: dict[str, tuple[Any, int, int]] = field(default_factory=dict)
 
     def note_post(self) -> None:
         if not self.first_post_at:
@@ -99,8 +110,8 @@ class PrefillRoom:
 
     def timeline(self, ended: float) -> dict[str, float]:
         """Milliseconds: first destination filed to the last (ready), ready to first chunk,
-        first chunk to first WRITE, waiting
-        for staging slots, first WRITE to the end, and the whole (``ended`` a perf_counter)."""
+        first chunk to first WRITE, waiting for staging slots, first WRITE to the end, the
+        whole, and the last chunk to the end; and the chunks (``ended``: a perf_counter)."""
 
         def ms(a: float, b: float) -> float:
             return round((b - a) * 1e3, 3) if a and b else 0.0
@@ -112,6 +123,10 @@ class PrefillRoom:
             "slot_wait_ms": round(self.slot_wait_s * 1e3, 3),
             "writes_ms": ms(self.first_post_at, ended),
             "wall_ms": ms(self.started, ended),
+            # what the request waits for after its last forward pass (within writes_ms
+            # when the room came in several chunks)
+            "after_last_ms": ms(self.last_chunk_at, ended),
+            "chunks": self.chunks,
         }
 
     @property

@@ -103,5 +103,7 @@ class TransferEvent:
     reason: str | None = None
     #: where the room's time went, in ms: ``to_chunk_ms`` (request filed to first chunk),
     #: ``to_post_ms`` (first chunk to first WRITE), ``slot_wait_ms``, ``writes_ms`` (first
-    #: WRITE to the end), ``wall_ms``; plus ``pieces`` and NIXL's ``post_us`` / ``xfer_us``
+    #: WRITE to the end), ``wall_ms``, ``after_last_ms`` (the last chunk to the end: what
+    #: the request waits for after its last forward pass); plus ``chunks``, ``pieces`` and
+    #: NIXL's ``post_us`` / ``xfer_us``
     timeline: dict[str, float] = field(default_factory=dict)

@@ -20,6 +20,9 @@ MAX_NAME = 256
 MAX_REASON = 4096
 MAX_METADATA = 64 << 20
 MAX_INDEX_FRAMES = 64
+# a decode's completion-flag board (``engine.done_flags``): the only files a prefill opens
+FLAG_PATH = r"^(/dev/shm/sgl-nixl-flags-[0-9]{1,10}-[0-9a-f]{16})?$"
+FLAG_MAX_SLOTS = 1 << 20
 
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -86,6 +89,10 @@ class CudaIpc(msgspec.Struct, frozen=True):
     device_uuid: Annotated[str, msgspec.Meta(max_length=64)]
     pid: NonNeg
     blocks: Annotated[list[IpcBlock], msgspec.Meta(max_length=MAX_REGIONS)]
+    # the decode's completion flags (``engine.done_flags``): a file under /dev/shm of
+    # ``flag_slots`` words; "" when it has none
+    flag_board: Annotated[str, msgspec.Meta(pattern=FLAG_PATH)] = ""
+    flag_slots: Annotated[int, msgspec.Meta(ge=0, le=FLAG_MAX_SLOTS)] = 0
 
 
 class PeerRegistration(msgspec.Struct, frozen=True, tag="reg"):
@@ -114,6 +121,9 @@ class PeerRegistration(msgspec.Struct, frozen=True, tag="reg"):
     draft_entries: NonNeg = 0
     # the decode's KV pool exported for CUDA IPC (None: not offered, or host memory)
     ipc: CudaIpc | None = None
+    # a few bytes of the decode's host memory that only prefills' warm-ups write: the
+    # host-to-host WRITE of aux rows is warmed there (None: older release, or no host aux)
+    scratch: Region | None = None
 
 
 class RegistrationReply(msgspec.Struct, frozen=True, tag="reg_reply"):
@@ -140,6 +150,9 @@ class RegistrationReply(msgspec.Struct, frozen=True, tag="reg_reply"):
     # this prefill rank mapped the decode's KV pool (``PeerRegistration.ipc``) and writes
     # its pages in one pass: the decode grants it no staging slots
     one_pass: bool = False
+    # it also mapped the decode's flag board (``CudaIpc.flag_board``): the decode may give
+    # its one-pass rooms a flag word (``TransferRequest.done_flag``)
+    done_flags: bool = False
 
 
 class IndexSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -171,6 +184,10 @@ class TransferRequest(msgspec.Struct, frozen=True, tag="xfer"):
     staging_slots: Annotated[list[NonNeg], msgspec.Meta(max_length=64)] = []
     # the pages are in the decode's host pool (``host_kv``/``host_state`` regions)
     host: bool = False
+    # a one-pass room's flag: the word of the decode's board where the prefill stores
+    # ``done_value`` once every byte of the room landed (-1: none; the status still follows)
+    done_flag: Annotated[int, msgspec.Meta(ge=-1, lt=FLAG_MAX_SLOTS)] = -1
+    done_value: Annotated[int, msgspec.Meta(ge=0, le=0x7FFFFFFF)] = 0
 
 
 class TransferStatus(msgspec.Struct, frozen=True, tag="status"):

@@ -31,6 +31,7 @@ from sgl_nixl_plugin.engine.descriptors import (
     naive_descriptors,
 )
 from sgl_nixl_plugin.engine.engine import (
+    SCRATCH_BYTES,
     WARM_DESCRIPTORS,
     WARM_MAX_BYTES,
     PeerLink,
@@ -509,4 +510,32 @@ def test_warm_up_writes_only_the_padding_page_and_a_dead_peer_fails_it(
         engine.warm(dead, timeout_s=2.0)
     assert time.monotonic() - started < DEADLINE_S
     engine.unlink(dead)
+    engine.unlink(link)
+
+
+def test_host_warm_up_writes_the_first_aux_row_into_the_peers_scratch_only(
+    spawn: Callable[[PeerSpec], PeerProcess], engines: list[TransferEngine]
+) -> None:
+    """``warm_host`` WRITEs the start of our first aux row into the peer's scratch buffer
+    (host to host, as every request's aux rows go), byte for byte, and touches none of
+    the peer's aux rows; a peer without host aux rows on our side gets nothing."""
+    spec = PeerSpec(GroupSpec(2, 32, 256), aux=GroupSpec(2, 8, 96), scratch=True)
+    src, memory = allocate(spec, seed=11)
+    engine = TransferEngine(AgentConfig(), memory)
+    engines.append(engine)
+    peer = spawn(spec)
+    link = engine.link(peer.metadata, peer.memory)
+    assert peer.scratch is not None
+    ptr, length = peer.scratch
+    assert length == SCRATCH_BYTES and not peer.read_scratch().any()
+    assert engine.warm_host(link, ptr, length) > 0
+    got = peer.read_scratch()
+    assert np.array_equal(got[:96], src["aux"].pages[0, 0])  # aux region 0, row 0
+    assert not got[96:].any()
+    assert np.all(peer.read("aux") == spec.sentinel) and peer.gaps_intact("aux")
+    assert engine.agent.live["xfer"] == 0
+
+    bare = TransferEngine(AgentConfig(), allocate(small_spec(), seed=12)[1])  # no aux rows
+    engines.append(bare)
+    assert bare.warm_host(bare.link(peer.metadata, peer.memory), ptr, length) == 0.0
     engine.unlink(link)

@@ -58,6 +58,9 @@ def test_pd_matrix(prefill_tp: int, decode_tp: int, shape: str, page_size: int) 
     assert warmed == [1] * decode_tp
     warmups = [r["tables"].get("count.warmups", 0) for r in res.prefill.values()]
     assert sum(warmups) == max(prefill_tp, decode_tp) and all(warmups)
+    # and its host-to-host WRITE (aux rows) into the decode's scratch buffer
+    host = [r["tables"].get("count.host_warmups", 0) for r in res.prefill.values()]
+    assert host == warmups
 
 
 @pytest.mark.timeout(180)

@@ -54,7 +54,6 @@ from sgl_nixl_plugin.bench.session import (
     Session,
     SessionConfig,
     SessionResult,
-    _rank_process,
     free_port,
 )
 from sgl_nixl_plugin.bench.workload import Workload
@@ -105,20 +104,9 @@ class LiveSession:
         self.specs = {(s.role, s.instance, s.tp_rank): s for s in self.session.specs}
 
     def start(self, *keys: tuple[str, int, int]) -> None:
-        s = self.session
         with hermetic_environ():
             for key in keys:
-                spec = self.specs[key]
-                # as ``Session.start`` does (``release`` lets decode ranks close at the end)
-                args = (spec, s.out, s.done, getattr(s, "release", None))
-                p = s.ctx.Process(
-                    target=_rank_process,
-                    args=args,
-                    daemon=True,
-                    name=f"{spec.role}{spec.instance}.{spec.tp_rank}",
-                )
-                p.start()
-                s.procs[key] = p
+                self.session.start_rank(self.specs[key])
 
     def wait(self) -> SessionResult:
         return self.session.wait()

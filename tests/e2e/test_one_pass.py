@@ -58,6 +58,13 @@ def _mapped_peers(res) -> int:
     return sum(r.get("tables", {}).get("count.one_pass.peers", 0) for r in res.prefill.values())
 
 
+def _flags(res, what: str = "hits") -> int:
+    """Completion flags (``DONE_FLAGS``) the decodes handed out ("given") or saw stored
+    and applied a sender's Success from ("hits")."""
+    key = "count.flag_hits" if what == "hits" else "count.flags_given"
+    return sum(r.get("tables", {}).get(key, 0) for r in res.decode.values())
+
+
 def _open_after_close(res) -> list[int]:
     return [r.get("ipc_open", 0) for r in res.prefill.values()]
 
@@ -136,6 +143,16 @@ def test_one_pass_writes_every_byte_into_the_decodes_pages(
         assert _paths(res) == {"ipc"}
     assert _mapped_peers(res) >= prefill_tp
     assert _open_after_close(res) and set(_open_after_close(res)) == {0}
+    # every flag handed out was stored once its room's bytes were there (checked above),
+    # and each decode's board has every word back
+    assert _flags(res) == _flags(res, "given") > 0, (_flags(res), _flags(res, "given"))
+
+
+@needs_gpu
+def test_without_completion_flags_rooms_end_through_the_status_message() -> None:
+    res = _run("tiny", 16, env={"SGLANG_NIXL_PLUGIN_DONE_FLAGS": "0"}, requests=8)
+    assert_clean(res)
+    assert _paths(res) == {"ipc"} and _flags(res, "given") == _flags(res) == 0
 
 
 @needs_gpu

@@ -54,6 +54,7 @@ class PeerSpec:
     state: tuple[GroupSpec, ...] = ()
     sentinel: int = 0xA5
     name: str | None = None
+    scratch: bool = False  # also register the warm-up scratch buffer (a decode's)
 
     def groups(self) -> dict[str, GroupSpec]:
         out = {"kv": self.kv}
@@ -152,14 +153,17 @@ def _serve(conn: Any, spec: PeerSpec) -> None:
     from sgl_nixl_plugin.registry.spec import AgentConfig
 
     bufs, memory = allocate(spec)
-    engine = TransferEngine(AgentConfig(), memory, name=spec.name)
+    engine = TransferEngine(AgentConfig(), memory, name=spec.name, scratch=spec.scratch)
     closed = False
     try:
         layout = {
             g: (list(rs.ptrs), list(rs.lens), list(rs.item_lens))
             for g, rs in memory.groups().items()
         }
-        conn.send(("ok", {"name": engine.name, "metadata": engine.metadata, "layout": layout}))
+        sc = engine.scratch
+        scratch = None if sc is None else (sc.ptrs[0], sc.lens[0])
+        info = {"name": engine.name, "metadata": engine.metadata, "layout": layout}
+        conn.send(("ok", {**info, "scratch": scratch}))
         idle_until = time.monotonic() + IDLE_EXIT_S
         while True:
             # A target must progress its agent for two-sided transports (UCX over TCP here),
@@ -208,6 +212,8 @@ def _handle(engine: Any, bufs: dict[str, Buffers], spec: PeerSpec, op: str, args
         return _drain(engine, *args)
     if op == "live":
         return dict(engine.agent.live)
+    if op == "read_scratch":
+        return engine._scratch.copy()
     raise ValueError(f"unknown peer command {op!r}")
 
 
@@ -294,6 +300,14 @@ class PeerProcess:
     @property
     def memory(self) -> Memory:
         return memory_from_layout(self.wait_ready()._info["layout"])  # type: ignore[index]
+
+    @property
+    def scratch(self) -> tuple[int, int] | None:
+        """(address, length) of the peer's warm-up scratch buffer, when it has one."""
+        return self.wait_ready()._info["scratch"]  # type: ignore[index]
+
+    def read_scratch(self) -> np.ndarray:
+        return self._call("read_scratch")
 
     def read(self, group: str = "kv", pages: Any = None) -> np.ndarray:
         """(regions, pages, item_bytes) copy of ``pages`` (all when None) of every region."""

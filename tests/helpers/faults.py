@@ -5,13 +5,14 @@ control: hold a room's last chunk so a kill lands mid-transfer, kill one process
 what the others observe, restart a prefill on the same bootstrap server, abort from the
 decode loop, run a soak inside one long-lived pair, or start ranks in network namespaces.
 
-Each rank is a fresh Python process (``subprocess``, optionally under ``ip netns exec``)
-that reuses the bench harness (``RankSpec``, ``Pools``, ``_setup``, ``_tables``,
-``PagePool``, the byte patterns) and obeys commands sent over a socketpair
-(``multiprocessing.connection.Connection``). It reports asynchronous events, every one
-stamped with ``time.time()`` taken in that process (all ranks run on one host, so wall
-clocks of different processes compare). Every process gets a hard deadline of its own
-(it exits by itself) and ``FaultCluster.close`` kills whatever is left.
+Each rank is a process forked from the bench's preloaded forkserver (``bench.procs``), or a
+fresh interpreter under ``ip netns exec`` for a rank in a network namespace. It reuses the
+bench harness (``RankSpec``, ``Pools``, ``_setup``, ``_tables``, ``PagePool``, the byte
+patterns) and obeys commands sent over a socketpair (``multiprocessing.connection``). It
+reports asynchronous events, every one stamped with ``time.time()`` taken in that process
+(all ranks run on one host, so wall clocks of different processes compare). Every process
+gets a hard deadline of its own (it exits by itself) and ``FaultCluster.close`` kills
+whatever is left.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import numpy as np
 
 from helpers.waiting import poll_until
 from sgl_nixl_plugin.adapter import harness
+from sgl_nixl_plugin.bench import procs
 from sgl_nixl_plugin.bench.rank import Pools, RankSpec, _setup, _tables
 from sgl_nixl_plugin.bench.session import LOOPBACK_ENV, free_port
 from sgl_nixl_plugin.bench.workload import (
@@ -106,20 +108,39 @@ class RankProc:
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> RankProc:
+        """Fork the rank from the bench's preloaded forkserver (SGLang imported once per test
+        run); a rank in a network namespace is a fresh interpreter under ``ip netns exec``."""
         from helpers.subproc import clean_env
 
-        parent, child = socket.socketpair()
         env = clean_env({**LOOPBACK_ENV, **FAULT_ENV, **self.spec.env, **self.env})
+        if self.netns:
+            self._exec_in_netns(env)
+        else:
+            ctx = procs.context("DRAM")
+            parent, child = ctx.Pipe()
+            forked = ctx.Process(
+                target=forked_main,
+                args=(child, procs.Inherited(env), str(self.log_path)),
+                name=self.name,
+            )
+            forked.start()
+            child.close()
+            self.proc = ForkedProc(forked)
+            self.conn = parent
+        assert self.conn is not None
+        self.conn.send({"spec": self.spec, "opts": self.opts, "lifetime_s": self.lifetime_s})
+        return self
+
+    def _exec_in_netns(self, env: dict[str, str]) -> None:
+        assert self.netns is not None
+        parent, child = socket.socketpair()
         env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, env.get("PYTHONPATH", "")]).rstrip(
             os.pathsep
         )
         argv = [
-            sys.executable,
-            "-c",
+            "ip", "netns", "exec", self.netns, sys.executable, "-c",
             f"from helpers.faults import child_main; child_main({child.fileno()})",
-        ]
-        if self.netns:
-            argv = ["ip", "netns", "exec", self.netns, *argv]
+        ]  # fmt: skip
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 argv,
@@ -133,8 +154,6 @@ class RankProc:
             )
         child.close()
         self.conn = Connection(parent.detach())
-        self.conn.send({"spec": self.spec, "opts": self.opts, "lifetime_s": self.lifetime_s})
-        return self
 
     def wait_ready(self, timeout: float = 90.0) -> dict[str, Any]:
         ev = self.wait_event(lambda e: e["kind"] in ("ready", "fatal"), timeout)
@@ -1380,8 +1399,48 @@ def soak_decode(rank: _DecodeRank, plan: SoakPlan) -> dict[str, Any]:
 _ROLES = {"bootstrap": _BootstrapRank, "prefill": _PrefillRank, "decode": _DecodeRank}
 
 
+class ForkedProc:
+    """The part of ``subprocess.Popen`` these tests use, over a forked ``Process``."""
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+        self.pid = process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.process.name, timeout or 0)
+        return self.process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def forked_main(conn: Connection, inherited: procs.Inherited, log_path: str) -> None:
+    """A forked rank: the environment, session, output and directory ``Popen`` would give."""
+    inherited.apply()
+    os.setsid()
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.chdir(TESTS_DIR)
+    serve(conn)
+
+
 def child_main(fd: int) -> None:
-    conn = Connection(fd)
+    """A rank started as ``python -c`` (under ``ip netns exec``)."""
+    serve(Connection(fd))
+
+
+def serve(conn: Connection) -> None:
     init = conn.recv()
     spec, opts = init["spec"], init["opts"]
     deadline = time.monotonic() + float(init["lifetime_s"])

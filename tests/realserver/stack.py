@@ -119,6 +119,8 @@ def server_env(
         raise ValueError(backend)
     if plugins:
         env["SGLANG_PLUGINS"] = ",".join(plugins)
+    if backend == "plugin":
+        env["SGLANG_NIXL_PLUGIN_LOG_LEVEL"] = "DEBUG"  # one line per room, checked by the stage
     if backend == "in-tree":
         # SGLang's decode calls a prefill lost after 2 missed 3 s /health GETs, 5 s apart:
         # on CI's 2 cores the in-tree TP 2 control's own ranks (8 transfer threads each, and

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -273,7 +274,12 @@ def _count(text: str, needle: str) -> int:
     return text.count(needle)
 
 
-def _log_problems(stack: PDStack) -> list[str]:
+def _room_lines(log: str, prefix: str) -> set[int]:
+    """Rooms with a per-room line ``<prefix> R: ok`` (SGLANG_NIXL_PLUGIN_LOG_LEVEL=DEBUG)."""
+    return {int(m) for m in re.findall(rf"{prefix} (\d+): ok ", log)}
+
+
+def _log_problems(stack: PDStack, sent: int) -> list[str]:
     problems = []
     for role, server in (("prefill", stack.prefill), ("decode", stack.decode)):
         # one manager per scheduler process: TP x PP of that server
@@ -296,6 +302,14 @@ def _log_problems(stack: PDStack) -> list[str]:
                 problems.append(f"{role} log: the KV pool was not registered as DRAM on every rank")
             if INTREE_DRAM_MARKER in log:
                 problems.append(f"{role} log: the plugin run loaded the in-tree control shim")
+            # the plugin's own level (the server runs at --log-level info): a line per room
+            prefix = "sgl-nixl room" if role == "prefill" else "sgl-nixl decode room"
+            rooms = _room_lines(log, prefix)
+            if len(rooms) < sent:
+                problems.append(
+                    f"{role} log: {len(rooms)} rooms with a '{prefix} R: ok' line, {sent} "
+                    "requests sent"
+                )
             # the warm-up at first contact: each decode rank registered with its prefill
             # ranks before its first request (every stage of a PP 1 decode, every DP group,
             # every attention TP rank holding its heads), and each of them WRITEd its
@@ -444,7 +458,7 @@ def test_pd_output_ids_match_reference(
             problems, timings = _run_batches(stack, expected, cfg.batches)
             for key, value in timings.items():
                 record_property(key, value)
-            problems += _log_problems(stack)
+            problems += _log_problems(stack, sum(len(BATCHES[b][1]) for b in cfg.batches))
             if cfg.host:
                 problems += _host_receive_problems(
                     stack, sum(len(BATCHES[b][1]) for b in cfg.batches)

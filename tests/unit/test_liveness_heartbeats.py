@@ -13,8 +13,10 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -126,3 +128,101 @@ def test_a_peer_that_exits_is_reported_at_once(watch, peer_process) -> None:
     lost, silent, waited = _watch(watch, STALL_S, replies_from=ep)
     assert lost[0] == (ep, "closed its connection (the process exited or restarted)")
     assert not silent and waited < DEADLINE_S, waited
+
+
+def test_a_peer_that_exits_while_this_thread_is_stalled_is_still_reported_at_once(
+    watch, peer_process
+) -> None:
+    """The control thread is away (CPU or GIL starvation) when the peer dies: the reset
+    waits in the monitor, and the last pong looks older than a heartbeat timeout's silence.
+    That is the thread's stall, not the peer's: it is reported as an exit, not judged by
+    the ping deadline (a killed prefill's rooms once took 3.6 s to fail so)."""
+    proc, ep = peer_process
+    _connected(watch, ep)
+    watch.replied(ep)
+    watch.silent()
+    os.kill(proc.pid, signal.SIGKILL)
+    time.sleep(5 * INTERVAL_S)  # the control thread's stall: nothing is polled meanwhile
+    lost, silent, waited = _watch(watch, STALL_S)
+    assert lost[:1] == [(ep, "closed its connection (the process exited or restarted)")], silent
+    assert not silent and waited < DEADLINE_S, waited
+
+
+class _Link:
+    """A TCP relay on 127.0.0.1 that can be cut: ``cut()`` stops forwarding on open
+    connections (no reset: a partition) and closes the listener, so every new connection
+    is refused, as when the peer died behind a partition and the link then came back."""
+
+    def __init__(self, target: Endpoint) -> None:
+        self.target = target
+        self.cut_now = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint: Endpoint = ("127.0.0.1", self.listener.getsockname()[1])
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self.listener.accept()
+            except OSError:
+                return  # closed by cut()
+            far = socket.create_connection(self.target, timeout=10)
+            self.conns += [near, far]
+            for a, b in ((near, far), (far, near)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            if not self.cut_now.is_set():
+                dst.sendall(data)
+
+    def cut(self) -> None:
+        self.cut_now.set()
+        try:  # wakes the blocked accept(); close() alone would leave the port listening
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already shut
+        self.listener.close()
+
+    def close(self) -> None:
+        self.cut()
+        for s in self.conns:
+            s.close()
+
+
+def test_a_peer_lost_behind_a_partition_is_reported_once_it_owes_nothing(zctx, watch) -> None:
+    """Its connection was closed for missed heartbeats while it owed us data, and then its
+    rooms ended some other way (a timeout, its own failure notice): nothing judges its
+    silence any more, so refused reconnections must report it, or it is watched (and its
+    NIXL peer kept) forever."""
+    pull = zctx.socket(zmq.PULL)
+    link = _Link(("127.0.0.1", pull.bind_to_random_port("tcp://127.0.0.1")))
+    try:
+        ep = link.endpoint
+        _connected(watch, ep)
+        watch._peers[ep].sock.send(b"hello")  # through the relay: the handshake is done
+        assert pull.poll(10_000), "nothing came through the relay"
+        link.cut()
+        deadline = time.monotonic() + 10
+        while watch._peers[ep].connected:  # ZMQ closes it once heartbeats stop
+            assert time.monotonic() < deadline, "the heartbeat timeout never closed it"
+            for sock, _ in watch.poller.poll(20):
+                assert not watch.on_monitor(sock)  # silence, not an exit
+            watch.silent()  # as a control thread checks, at least every interval
+        assert watch._peers[ep].timed_out
+        watch.sync({ep}, set())  # its rooms ended: watched, no longer pinged
+        lost, silent, waited = _watch(watch, 5.0)
+        assert lost == [(ep, "refuses connections (nothing listens there: not running)")], (
+            f"no verdict in {waited:.1f}s"
+        )
+        assert not silent
+    finally:
+        link.close()
+        pull.close(linger=0)

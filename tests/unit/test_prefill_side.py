@@ -15,6 +15,7 @@ from sgl_nixl_plugin.adapter.context import Identity, PrefillContext
 from sgl_nixl_plugin.adapter.prefill_control import PrefillControl
 from sgl_nixl_plugin.adapter.transfer_worker import StagedJob, TransferWorker
 from sgl_nixl_plugin.engine.agent import Xfer
+from sgl_nixl_plugin.engine.one_pass import KernelXfer
 from sgl_nixl_plugin.protocol.peers import DecodePeer
 from sgl_nixl_plugin.protocol.prefill_rooms import Chunk, TransferInfo
 from sgl_nixl_plugin.settings import Settings
@@ -264,8 +265,11 @@ def test_a_finished_room_reports_where_its_time_went(side, monkeypatch, caplog):
     _destination(side)
     rec = side.ctx.rooms.get(ROOM)
     rec.ready_at, rec.started = rec.started, rec.started - 1e-3  # filed 1 ms before ready
-    side.worker._submit(_chunk())
-    side.engine.posted[0].state = "DONE"
+    side.worker._submit(_chunk(n=2, last=False))
+    side.worker._submit(_chunk(start=2, n=2, last=True))
+    rec.last_chunk_at -= 2e-3  # the last chunk came 2 ms before the end
+    for x in side.engine.posted:
+        x.state = "DONE"
     with caplog.at_level("DEBUG", logger="sgl_nixl_plugin.adapter.context"):
         side.worker._poll()
     assert side.sg.concluded == [(ROOM, "success")]
@@ -275,9 +279,11 @@ def test_a_finished_room_reports_where_its_time_went(side, monkeypatch, caplog):
     assert set(steps) <= set(t) and t["to_ready_ms"] == 1.0
     assert all(t[k] >= 0 for k in steps) and t["wall_ms"] > 0
     assert abs(sum(t[k] for k in steps) - t["wall_ms"]) < 0.01
+    # chunked prefill: what the request waited for after its last forward pass
+    assert t["chunks"] == 2 and 2.0 <= t["after_last_ms"] < 2.0 + t["writes_ms"]
     (line,) = [r.getMessage() for r in caplog.records if "sgl-nixl room" in r.getMessage()]
     assert line.startswith(f"sgl-nixl room {ROOM}: ok peer={AGENT} path=direct bytes=256 ")
-    assert "wall_ms=" in line and "to_post_ms=" in line
+    assert "wall_ms=" in line and "to_post_ms=" in line and " chunks=2" in line
 
 
 def test_a_decode_prefix_must_end_on_a_prefill_page_across_page_sizes():
@@ -330,3 +336,61 @@ def test_a_staged_chunk_gathers_before_the_aux_and_state_writes_are_posted(side,
     chunk = Chunk(ROOM, np.arange(4), slice(0, 4), True, 2, [np.array([6])])
     side.worker._submit(chunk)
     assert order == ["gather", "aux", "state0"], order
+
+
+def test_a_post_that_raises_after_the_kv_write_still_waits_for_it(side):
+    """The state indices disagree (a decode's request, checked only once SGLang's send()
+    brings the prefill's own): the room fails, but the KV and aux WRITEs posted before
+    the check are in flight and count until they settle. Untracked, the room closed at
+    once (an abort's ACK could precede bytes still landing) and their handles leaked."""
+    info = TransferInfo(ROOM, AGENT, "127.0.0.1", 7001, np.arange(4), 3, [np.arange(2)], 1, False)
+    side.sg.add_destination(info)
+    side.ctx.rooms.open(ROOM)
+    side.sg.mark_ready(ROOM)
+    released: list[Xfer] = []
+    side.engine.release = lambda x: released.append(x) or True
+    side.worker._submit(Chunk(ROOM, np.arange(4), slice(0, 4), True, 2, [np.arange(3)]))
+    why = "failed: state[0]: prefill has 3 indices, decode 2"
+    assert side.sg.concluded == [(ROOM, why)]
+    assert len(side.engine.posted) == 2  # the KV pages and the aux row
+    assert ROOM in side.ctx.rooms and side.sg.outstanding[ROOM] == 2  # draining
+    for x in side.engine.posted:
+        x.state = "DONE"
+    side.worker._poll()
+    assert released == side.engine.posted and side.sg.concluded == [(ROOM, why)]
+    _drained(side)
+
+
+def test_a_one_pass_copy_launched_before_a_refused_post_is_waited_for(side):
+    """The one-pass copy writes into the decode's pages until it has run: when a later
+    post of the chunk is refused, the room fails but holds (no abort ACK, no close) until
+    the copy is seen done, and the worker's count of running copies comes back to 0."""
+    launched: list[KernelXfer] = []
+
+    class OnePass:
+        flags = None  # no completion flags: the status ends the room
+
+        def write(self, copier: Any, src: np.ndarray, dst: np.ndarray, stream: Any) -> KernelXfer:
+            x = KernelXfer(handle=None, peer=AGENT, nbytes=64 * len(src), descriptors=0)
+            launched.append(x)
+            return x
+
+    side.ctx.peers.accepted[AGENT].link.one_pass = OnePass()
+    side.ctx.copier = object()  # a GPU copier (never called by the fake link)
+    info = TransferInfo(ROOM, AGENT, "127.0.0.1", 7001, np.arange(4), 3, [np.arange(2)], 1, False)
+    side.sg.add_destination(info)
+    side.ctx.rooms.open(ROOM)
+    side.sg.mark_ready(ROOM)
+    side.worker._submit(Chunk(ROOM, np.arange(4), slice(0, 4), True, 2, [np.arange(3)]))
+    why = "failed: state[0]: prefill has 3 indices, decode 2"
+    assert len(launched) == 1 and side.worker.kernels == 1
+    assert side.sg.concluded == [(ROOM, why)]
+    assert ROOM in side.ctx.rooms and side.sg.outstanding[ROOM] == 2  # the copy, the aux row
+    (aux,) = side.engine.posted
+    aux.state = "DONE"
+    side.worker._poll()
+    assert ROOM in side.ctx.rooms  # the copy still runs
+    launched[0].state = "DONE"
+    side.worker._poll()
+    assert side.worker.kernels == 0 and side.sg.concluded == [(ROOM, why)]
+    _drained(side)

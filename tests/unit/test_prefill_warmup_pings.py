@@ -87,7 +87,7 @@ def test_pings_are_answered_during_a_warm_up_and_the_rest_waits_in_order(control
     _until_readable(ctl.sock)
 
     started = time.monotonic()
-    ms = ctl._warm(link=None, agent="decode-a", staging=None)
+    ms = ctl._warm(link=None, agent="decode-a", staging=None, scratch=None)
     took = time.monotonic() - started
 
     assert ctl.ctx.engine.pong_during_warm_up, f"no pong while warming ({took:.1f}s): {sent}"

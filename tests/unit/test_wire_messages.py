@@ -122,6 +122,7 @@ peer_registrations = st.builds(
     aux=st.lists(regions, max_size=4),
     state=st.lists(st.lists(regions, max_size=3), max_size=3),
     staging=stagings,
+    scratch=st.none() | regions,
     ipc=st.none()
     | st.builds(
         CudaIpc,
@@ -906,6 +907,7 @@ def test_a_refusal_in_the_peers_version_reads_as_a_refusal_there():
         "retry",
         "kv_window",  # optional, after the frozen fields: older releases ignore it
         "one_pass",  # likewise
+        "done_flags",  # likewise
     }
     got = Codec().decode(frames)
     assert isinstance(got.msg, ForeignReply) and not got.msg.accepted and got.msg.version == 2
