@@ -16,6 +16,11 @@ else
     _sgl_nixl_venv="$_sgl_nixl_root/.venv"
 fi
 
+# A run that already set this venv up (ci/run_tests.sh before ci/run_matrix.sh) installs
+# nothing again.
+if [[ ${SGL_NIXL_ENV_READY:-} == "$_sgl_nixl_venv" && -x "$_sgl_nixl_venv/bin/python" ]]; then
+    echo "setup_env: $_sgl_nixl_venv was set up earlier in this run" >&2
+else
 # The work runs in a subshell with strict options, so a sourcing shell is left untouched.
 (
     set -euo pipefail
@@ -59,6 +64,8 @@ fi
     # `return` when sourced, `exit` when run.
     return "$_sgl_nixl_rc" 2>/dev/null || exit "$_sgl_nixl_rc"
 }
+export SGL_NIXL_ENV_READY="$_sgl_nixl_venv"
+fi
 
 # shellcheck disable=SC1091
 source "$_sgl_nixl_venv/bin/activate"

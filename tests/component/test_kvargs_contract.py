@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -30,8 +29,7 @@ HELPER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "sg
 ROLES = ("prefill", "decode")
 GROUPS = [(role, group) for role in ROLES for group in case_groups(role)]
 
-# the fixture runs one subprocess per group (an SGLang import each): allow for all of them
-pytestmark = pytest.mark.timeout(int(len(GROUPS) * TIMEOUT_S) + 60)
+pytestmark = pytest.mark.timeout(int(2 * TIMEOUT_S) + 60)
 
 #: pointer lists, with the list of their regions' lengths
 POINTER_FIELDS = {"kv_data_ptrs": "kv_data_lens", "aux_data_ptrs": "aux_data_lens"}
@@ -48,29 +46,23 @@ STATE_FIELDS = (
 CASE = {c.name: c for c in CASES}
 
 
-def _run_group(role: str, names: list[str]) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def captured() -> dict[tuple[str, str], dict[str, Any]]:
+    # One process imports SGLang once and forks a child per group (a TP layout each)
     # No SGLANG_* variable of the caller's shell may change the pools or the method
     env = clean_env({k: None for k in os.environ if k.startswith("SGLANG_")})
-    proc = run(python_argv(HELPER, role, *names), env=env)
+    proc = run(python_argv(HELPER, "all"), env=env, timeout=TIMEOUT_S * 2)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARKER)]
     if proc.returncode != 0 or not lines:
         raise AssertionError(
-            f"sglang_kvargs.py {role} {' '.join(names)} failed (rc {proc.returncode}):\n"
+            f"sglang_kvargs.py all failed (rc {proc.returncode}):\n"
             f"{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
         )
-    return json.loads(lines[-1][len(RESULT_MARKER) :])
-
-
-@pytest.fixture(scope="module")
-def captured() -> dict[tuple[str, str], dict[str, Any]]:
-    # one subprocess per core at a time: each mostly imports SGLang, on one core
-    workers = max(1, min(len(GROUPS), os.cpu_count() or 1))
-    with ThreadPoolExecutor(workers) as pool:
-        results = list(pool.map(lambda g: _run_group(*g), GROUPS))
     out: dict[tuple[str, str], dict[str, Any]] = {}
-    for (role, _), result in zip(GROUPS, results, strict=True):
+    for result in json.loads(lines[-1][len(RESULT_MARKER) :]):
         for rec in result["cases"]:
-            out[(role, rec["case"])] = rec
+            out[(result["role"], rec["case"])] = rec
+    assert {key for key in out} == {(role, n) for role, g in GROUPS for n in g}
     return out
 
 

@@ -8,9 +8,16 @@ import pytest
 
 from helpers.scenarios import ScenarioRunner
 
-__all__ = ["pytest_collection_modifyitems", "pytest_configure", "scenarios", "fresh_registry"]
+__all__ = [
+    "gather_scenarios",
+    "pytest_configure",
+    "scenarios",
+    "_scenario_runner",
+    "fresh_registry",
+]
 
-_WANTED = pytest.StashKey[list[str]]()
+#: test module -> the scenarios its selected tests need, in the order they need them.
+_WANTED = pytest.StashKey[dict[str, list[str]]]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -19,26 +26,32 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Remember which scenarios the selected tests need, so they can start together."""
-    wanted: dict[str, None] = {}  # ordered: scenarios start in the order tests need them
+def gather_scenarios(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Remember which scenarios each module's selected tests need (after deselection:
+    ``-m``/``-k`` leave the others unstarted)."""
+    wanted: dict[str, dict[str, None]] = {}
     for item in items:
         for marker in item.iter_markers("scenarios"):
-            wanted.update(dict.fromkeys(marker.args))
-    config.stash[_WANTED] = list(wanted)
+            wanted.setdefault(item.nodeid.split("::")[0], {}).update(dict.fromkeys(marker.args))
+    config.stash[_WANTED] = {module: list(names) for module, names in wanted.items()}
 
 
 @pytest.fixture(scope="session")
-def scenarios(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ScenarioRunner]:
-    """Runs the scenarios declared by ``@pytest.mark.scenarios`` (all at once, in parallel)."""
-    runner = ScenarioRunner(
-        workdir=tmp_path_factory.mktemp("scenarios"),
-        wanted=list(request.config.stash.get(_WANTED, [])),
-    )
+def _scenario_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScenarioRunner]:
+    runner = ScenarioRunner(workdir=tmp_path_factory.mktemp("scenarios"))
     yield runner
     runner.close()
+
+
+@pytest.fixture
+def scenarios(request: pytest.FixtureRequest, _scenario_runner: ScenarioRunner) -> ScenarioRunner:
+    """Runs the scenarios declared by ``@pytest.mark.scenarios``: a module's first test
+    starts every scenario its module needs, in parallel. Per module, so that parallel
+    test workers (``-n 2 --dist loadfile``: a module runs on one worker) start only their
+    own modules' scenarios."""
+    module = request.node.nodeid.split("::")[0]
+    _scenario_runner.start(request.config.stash.get(_WANTED, {}).get(module, []))
+    return _scenario_runner
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ LAYERS = ("unit", "component", "e2e", "realserver", "upstream")
 TESTS = Path(__file__).resolve().parents[1]
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def mark_layers(items: list[pytest.Item]) -> None:
     for item in items:
         parts = Path(str(item.fspath)).resolve().relative_to(TESTS).parts
         if parts and parts[0] in LAYERS:

@@ -108,17 +108,18 @@ class ScenarioRunner:
     """Starts scenarios on a small thread pool (one subprocess per thread)."""
 
     workdir: Path
-    wanted: list[str] = field(default_factory=list)
     _pool: ThreadPoolExecutor | None = None
     _futures: dict[str, Future[ScenarioResult]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._catalogue = catalogue(self.workdir)
-        unknown = set(self.wanted) - set(self._catalogue)
+
+    def start(self, names: Iterable[str]) -> None:
+        """Start these scenarios (those not started yet) without waiting for them."""
+        names = list(names)
+        unknown = set(names) - set(self._catalogue)
         if unknown:
             raise KeyError(f"unknown scenarios: {sorted(unknown)}")
-
-    def _start(self, names: Iterable[str]) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
         for name in names:
@@ -126,8 +127,8 @@ class ScenarioRunner:
                 self._futures[name] = self._pool.submit(_run, name, self._catalogue[name])
 
     def result(self, name: str) -> ScenarioResult:
-        """Wait for (starting if needed, together with every wanted one) scenario ``name``."""
-        self._start([name, *self.wanted])
+        """Wait for scenario ``name`` (starting it if needed)."""
+        self.start([name])
         return self._futures[name].result(timeout=subproc.TIMEOUT_S * 4)
 
     def close(self) -> None:

@@ -66,6 +66,9 @@ CASES = (
 )
 
 
+CASE_BY_NAME = {c.name: c for c in CASES}
+
+
 def case_groups(role: str) -> list[list[str]]:
     """The cases of ``role``, one list per subprocess: a process publishes one TP layout
     (SGLang keeps a rank it was given once: republishing a smaller TP size fails)."""
@@ -334,12 +337,41 @@ def capture(role: str, case: Case) -> dict[str, Any]:
     }
 
 
+def _preload() -> None:
+    """Import what ``capture`` needs once, before the per-group children fork from here."""
+    import torch
+    from sglang.srt.disaggregation import decode, prefill, utils  # noqa: F401
+    from sglang.srt.mem_cache import memory_pool  # noqa: F401
+
+    from sgl_nixl_plugin.bench import rank  # noqa: F401
+
+    torch.set_num_threads(1)
+
+
+def _capture_group(role: str, names: list[str]) -> dict[str, Any]:
+    return {"role": role, "cases": [capture(role, CASE_BY_NAME[n]) for n in names]}
+
+
 def main(argv: list[str]) -> None:
-    """``ROLE [CASE ...]``: those cases (all of ROLE's by default), in one process."""
-    role, names = argv[0], set(argv[1:])
+    """``ROLE [CASE ...]``: those cases (all of ROLE's by default), in one process;
+    ``all``: every role's groups (``case_groups``), each in a child forked from this process
+    after one SGLang import, a core's worth at a time (a group publishes one TP layout,
+    which a process keeps once given)."""
     import logging
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if argv == ["all"]:
+        import multiprocessing
+        import os
+
+        _preload()
+        groups = [(role, g) for role in ("prefill", "decode") for g in case_groups(role)]
+        workers = max(1, min(len(groups), os.cpu_count() or 1))
+        with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:
+            results = pool.starmap(_capture_group, groups, chunksize=1)
+        print(RESULT_MARKER + json.dumps(results), flush=True)
+        return
+    role, names = argv[0], set(argv[1:])
     cases = [capture(role, c) for c in CASES if role in c.roles and (not names or c.name in names)]
     out = {"role": role, "cases": cases}
     print(RESULT_MARKER + json.dumps(out), flush=True)

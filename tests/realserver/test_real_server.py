@@ -9,8 +9,8 @@ server on the same weights and flags.
 
 The same stage runs with SGLang's in-tree nixl backend as the control: it proves the stage
 itself is right (a stage that failed the in-tree backend too would say nothing about ours).
-CI runs one control (page size 16); ``SGL_NIXL_REALSERVER_CONTROLS=all`` adds page size 1
-and TP 2.
+The controls run in the full run (``bash ci/run_tests.sh --full``), with the combinations
+the gate leaves out (``Config.full``); the gate keeps one stack per feature.
 The control keeps our plugin out with SGLang's ``SGLANG_PLUGINS`` whitelist and needs one
 test-tree shim (shims/intree_dram: its CPU pool relabelled DRAM); the plugin run needs none.
 Server logs are checked too: the plugin run's prefill and decode say ``sgl-nixl: ... manager
@@ -92,7 +92,7 @@ class Config:
     decode_pp: int = 1  # the decode's: 1 or ``pp``
     prefill_dp: int = 1  # attention DP ranks (--enable-dp-attention --dp-size N)
     decode_dp: int = 1
-    extra_control: bool = False  # an in-tree control beyond the first: ALL_CONTROLS only
+    full: bool = False  # only in the full run (the gate runs one stack per feature)
 
     @property
     def dp(self) -> bool:
@@ -134,19 +134,12 @@ DP_ON_CPU = PP_ON_CPU and os.environ.get("SGL_NIXL_REALSERVER_DP", "1") != "0"
 HOST_RECEIVE_ON_CPU = CPU_PAGE_SIZES != (1,)
 
 
-#: One in-tree control shows the stage itself is right; the others (page size 1, TP 2) run
-#: with ``SGL_NIXL_REALSERVER_CONTROLS=all``: ~2.6 minutes here, ~3.5 on CI's 2 cores, spent
-#: testing SGLang's backend rather than ours.
-ALL_CONTROLS = os.environ.get("SGL_NIXL_REALSERVER_CONTROLS", "one") == "all"
-
-
 def _runnable(configs: tuple[Config, ...]) -> tuple[Config, ...]:
     """The configurations at page sizes this SGLang runs on a CPU (others at page size 1;
-    one configuration per id, with metrics if any of the ones it stands for had them)."""
+    one configuration per id, with metrics if any of the ones it stands for had them, and
+    in the gate if any of them is)."""
     out: dict[str, Config] = {}
     for c in configs:
-        if c.extra_control and not ALL_CONTROLS:
-            continue
         if c.host and not HOST_RECEIVE_ON_CPU:
             continue
         if c.pp > 1 and not PP_ON_CPU:
@@ -158,36 +151,44 @@ def _runnable(configs: tuple[Config, ...]) -> tuple[Config, ...]:
         if c.page not in CPU_PAGE_SIZES:
             c = replace(c, page=1)
         prev = out.get(c.id)
-        out[c.id] = c if prev is None else replace(prev, metrics=prev.metrics or c.metrics)
+        if prev is not None:
+            c = replace(prev, metrics=prev.metrics or c.metrics, full=prev.full and c.full)
+        out[c.id] = c
     return tuple(out.values())
 
 
+#: The gate runs one stack per feature (``full=False``); ``bash ci/run_tests.sh --full`` adds
+#: the other combinations. The gate's stacks: page-size pairing with metrics (the device
+#: path), TP 2, host receive, pipeline stages into a PP 1 decode, and the damaged-KV control
+#: below; on 0.5.21 (page size 1 only) the page-16 stacks fold into ``plugin-p1``. DP
+#: attention's gate check is the multi-process ``tests/e2e/test_dp_attention.py``.
 CONFIGS = _runnable(
     (
-        Config("plugin", 1),
-        Config("plugin", 16, metrics=True),
-        Config("in-tree", 16),
-        Config("in-tree", 1, extra_control=True),
+        Config("plugin", 1, full=True),
+        Config("plugin", 16, metrics=True, full=True),
+        # SGLang's own backend on the same stage: proves the stage, not our plugin
+        Config("in-tree", 16, full=True),
+        Config("in-tree", 1, full=True),
         Config("plugin", 16, tp=2),
         Config("plugin", 16, host=True),
         # pages of different sizes on each side, both ways, paired token by token
-        Config("plugin", 16, decode_page=64),
-        Config("plugin", 64, decode_page=16, batches=("concurrent",)),
+        Config("plugin", 16, decode_page=64, metrics=True),
+        Config("plugin", 64, decode_page=16, batches=("concurrent",), full=True),
         # pipeline stages: each writes its layer into a PP 1 decode, or into its own stage
         # (SGLang's in-tree backend cannot run the first on a CPU host: it takes the decode's
         # larger layer list for a speculative draft and refuses DRAM there)
         Config("plugin", 16, pp=2, decode_pp=1, batches=("concurrent",)),
-        Config("plugin", 16, pp=2, decode_pp=2, batches=("concurrent",)),
+        Config("plugin", 16, pp=2, decode_pp=2, batches=("concurrent",), full=True),
         # DP attention (both servers TP 2, two attention DP ranks of attention TP 1, on the
         # tiny model as Qwen3: SGLang's Llama has no DP attention): a DeepSeek-style decode
         # behind a TP prefill (each decode rank reads its heads from both prefill ranks), and
         # a DP prefill too (the decode picks the prefill DP rank from the bootstrap room)
-        Config("plugin", 16, tp=2, decode_dp=2, batches=("concurrent",)),
-        Config("plugin", 16, tp=2, prefill_dp=2, decode_dp=2, batches=("concurrent",)),
+        Config("plugin", 16, tp=2, decode_dp=2, batches=("concurrent",), full=True),
+        Config("plugin", 16, tp=2, prefill_dp=2, decode_dp=2, batches=("concurrent",), full=True),
         # The in-tree backend is several times slower here (its 8 prefill transfer threads and
         # UCX progress share 2 cores with 4 TP ranks), so its TP 2 control sends only the
         # concurrent batch: every prompt still, the sequential ones included.
-        Config("in-tree", 16, tp=2, batches=("concurrent",), extra_control=True),
+        Config("in-tree", 16, tp=2, batches=("concurrent",), full=True),
     )
 )
 BATCHES = {"sequential": (run_sequential, SEQUENTIAL), "concurrent": (run_concurrent, CONCURRENT)}
@@ -430,7 +431,10 @@ def _run_batches(
 
 
 @pytest.mark.timeout(int(900 * TIMEOUT_SCALE))
-@pytest.mark.parametrize("cfg", CONFIGS, ids=[c.id for c in CONFIGS])
+@pytest.mark.parametrize(
+    "cfg",
+    [pytest.param(c, id=c.id, marks=[pytest.mark.full] if c.full else []) for c in CONFIGS],
+)
 def test_pd_output_ids_match_reference(
     cfg: Config,
     launcher: Launcher,
