@@ -110,9 +110,13 @@ class RankProc:
     def start(self) -> RankProc:
         """Fork the rank from the bench's preloaded forkserver (SGLang imported once per test
         run); a rank in a network namespace is a fresh interpreter under ``ip netns exec``."""
-        from helpers.subproc import clean_env
+        from helpers.subproc import clean_env, sglang_env_problems
 
-        env = clean_env({**LOOPBACK_ENV, **FAULT_ENV, **self.spec.env, **self.env})
+        ours = {**LOOPBACK_ENV, **FAULT_ENV, **self.spec.env, **self.env}
+        bad = sglang_env_problems(ours)
+        if bad:  # SGLang would run the rank with its defaults instead
+            raise ValueError(f"{self.name}: SGLang would ignore " + "; ".join(bad))
+        env = clean_env(ours)
         if self.netns:
             self._exec_in_netns(env)
         else:
