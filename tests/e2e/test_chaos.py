@@ -131,3 +131,31 @@ def test_chaos_prefill_sender_no_decode_asks_for_fails_within_the_checker_bound(
     for room, ev in done.items():
         assert not ev["ok"] and "Bootstrapping" in (ev["reason"] or ""), (room, ev)
         assert ev["t"] - t0 <= bound, (room, ev["t"] - t0)
+
+
+@pytest.mark.timeout(int(240 * TIMEOUT_SCALE))
+def test_chaos_hold_released_before_its_sender_started_still_ends(tmp_path: Path) -> None:
+    """The soak holds the last chunk of some rooms for 0.2-2 s, and releases every hold at
+    the end of its faults: a release can reach the prefill before the decode's request did
+    (late behind a cut, or on a loaded host). Such a room must still send its last chunk
+    and end on both sides, not hold it for good (judged hung on both)."""
+    cfg = ChaosConfig(SECONDS, 1)
+    chaos = Chaos(cfg, tmp_path)
+    try:
+        port = free_port()
+        prefill = chaos.cluster.prefill("prefill", port, serve_bootstrap=True)
+        decode = chaos.cluster.decode("decode0")
+        chaos.cluster.ready(timeout=cfg.start_timeout_s)
+        reqs = make_requests(3, 1736820213, tokens=(48, 128), chunks=2)
+        rooms = {r.room for r in reqs}
+        plans = {room: "hold" for room in rooms}
+        prefill.call("expect", reqs=reqs, plans=plans, timeout=60 * TIMEOUT_SCALE)
+        assert prefill.call("release", rooms=sorted(rooms)) == []  # not started: none sent
+        decode.call("submit", reqs=reqs, addr=f"127.0.0.1:{port}", timeout=60 * TIMEOUT_SCALE)
+        dec = decode.wait_done(rooms, cfg.ok_bound_s)
+        pre = prefill.wait_done(rooms, cfg.ok_bound_s)
+    finally:
+        chaos.close()
+    assert all(ev["ok"] for ev in pre.values()), pre
+    for ev in dec.values():
+        assert ev["ok"] and not any(ev.get(k) for k in ("bad_pages", "bad_aux", "bad_state")), ev

@@ -760,7 +760,10 @@ class _PrefillRank(_Rank):
         return len(self.active)
 
     def do_release(self, rooms: list[int]) -> list[int]:
-        """Send the held chunks of ``rooms`` (those still active); returns which were sent."""
+        """Send the held chunks of ``rooms`` (those still active); returns which were sent.
+        A room whose sender has not started yet (its decode's request is still on its way)
+        is released too: it sends every chunk when it starts, instead of holding its last
+        one for good."""
         sent = []
         for room in rooms:
             ctx = self.active.get(room)
@@ -768,6 +771,8 @@ class _PrefillRank(_Rank):
                 ctx.held = False
                 self._send_parts(ctx, len(ctx.parts))
                 sent.append(room)
+            elif ctx is not None and not ctx.inited:
+                ctx.plan = "normal"
         return sent
 
     def do_held(self) -> list[int]:
