@@ -12,14 +12,16 @@ the timings of the processes are not).
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
 from helpers.chaos import Chaos, ChaosConfig
-from helpers.faults import netns_pair, netns_unavailable
+from helpers.faults import FAULT_ENV, make_requests, netns_pair, netns_unavailable
 from helpers.subproc import TIMEOUT_SCALE
 
 from sgl_nixl_plugin import settings
+from sgl_nixl_plugin.bench.session import free_port
 
 SECONDS = float(settings.value("CHAOS_S"))
 #: start-up (a few SGLang imports), the faults, settling, checks.
@@ -78,3 +80,82 @@ def test_chaos_soak_netns_link_cuts(tmp_path: Path) -> None:
             SECONDS, _seed(), netns=net, liveness=(0.5, 6), quarantine_failed_s=QUARANTINE_S
         )
         _soak(cfg, tmp_path)
+
+
+# -- the checker's bounds are the ranks' bounds --------------------------------------------
+#
+# The checker bounds a prefill sender that its decode's request never reached (the decode
+# died, or gave the room up, before the request left it) by SGLang's bootstrap timeout
+# (``ChaosConfig.bootstrap_timeout_s``): nothing else can end such a room. The soak once
+# handed its ranks "10.0", which SGLang's integer variable refuses (a warning that the
+# ranks ignore) for its default of 300 s: such rooms then had no outcome for the rest of
+# the soak, and were judged hung 12 s after their request (found replaying seed 1736820213
+# on a loaded 2-core machine).
+
+
+def test_chaos_ranks_read_the_bootstrap_timeout_the_checker_assumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process: SGLang, reading the soak's rank environment, gets the checker's value."""
+    from sglang.srt.environ import envs
+
+    cfg = ChaosConfig(SECONDS, 1)
+    chaos = Chaos(cfg, tmp_path)
+    try:
+        env = {**FAULT_ENV, **chaos.cluster.env}
+    finally:
+        chaos.close()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get() == cfg.bootstrap_timeout_s
+
+
+@pytest.mark.timeout(int(240 * TIMEOUT_SCALE))
+def test_chaos_prefill_sender_no_decode_asks_for_fails_within_the_checker_bound(
+    tmp_path: Path,
+) -> None:
+    """One prefill rank with the soak's environment; senders whose decode never asks: each
+    ends Failed (bootstrap timeout) within the bound the checker judges the soak by."""
+    cfg = ChaosConfig(SECONDS, 1)
+    chaos = Chaos(cfg, tmp_path)
+    try:
+        prefill = chaos.cluster.prefill("prefill", free_port(), serve_bootstrap=True)
+        chaos.cluster.ready(timeout=cfg.start_timeout_s)
+        reqs = make_requests(2, 1736820213, tokens=(16, 64))
+        t0 = time.time()
+        prefill.call("expect", reqs=reqs, timeout=60 * TIMEOUT_SCALE)
+        bound = cfg.bootstrap_timeout_s + cfg.fail_bound_s
+        done = prefill.wait_done({r.room for r in reqs}, bound)
+    finally:
+        chaos.close()
+    for room, ev in done.items():
+        assert not ev["ok"] and "Bootstrapping" in (ev["reason"] or ""), (room, ev)
+        assert ev["t"] - t0 <= bound, (room, ev["t"] - t0)
+
+
+@pytest.mark.timeout(int(240 * TIMEOUT_SCALE))
+def test_chaos_hold_released_before_its_sender_started_still_ends(tmp_path: Path) -> None:
+    """The soak holds the last chunk of some rooms for 0.2-2 s, and releases every hold at
+    the end of its faults: a release can reach the prefill before the decode's request did
+    (late behind a cut, or on a loaded host). Such a room must still send its last chunk
+    and end on both sides, not hold it for good (judged hung on both)."""
+    cfg = ChaosConfig(SECONDS, 1)
+    chaos = Chaos(cfg, tmp_path)
+    try:
+        port = free_port()
+        prefill = chaos.cluster.prefill("prefill", port, serve_bootstrap=True)
+        decode = chaos.cluster.decode("decode0")
+        chaos.cluster.ready(timeout=cfg.start_timeout_s)
+        reqs = make_requests(3, 1736820213, tokens=(48, 128), chunks=2)
+        rooms = {r.room for r in reqs}
+        plans = {room: "hold" for room in rooms}
+        prefill.call("expect", reqs=reqs, plans=plans, timeout=60 * TIMEOUT_SCALE)
+        assert prefill.call("release", rooms=sorted(rooms)) == []  # not started: none sent
+        decode.call("submit", reqs=reqs, addr=f"127.0.0.1:{port}", timeout=60 * TIMEOUT_SCALE)
+        dec = decode.wait_done(rooms, cfg.ok_bound_s)
+        pre = prefill.wait_done(rooms, cfg.ok_bound_s)
+    finally:
+        chaos.close()
+    assert all(ev["ok"] for ev in pre.values()), pre
+    for ev in dec.values():
+        assert ev["ok"] and not any(ev.get(k) for k in ("bad_pages", "bad_aux", "bad_state")), ev

@@ -79,7 +79,7 @@ class ChaosConfig:
     restart_after_s: tuple[float, float] = (0.2, 1.5)
     cut_s: tuple[float, float] = (0.5, 3.0)
     fail_bound_s: float = 2.0 * TIMEOUT_SCALE
-    bootstrap_timeout_s: float = 10.0
+    bootstrap_timeout_s: int = 10  # SGLang reads it as an integer ("10.0" is not one)
     liveness: tuple[float, int] = (1.0, 30)  # loopback: a kill is seen by the connection watch
     max_in_flight: int = 24  # per process: the page pools hold 32 of the largest requests
     wave: tuple[int, int] = (2, 6)

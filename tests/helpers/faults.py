@@ -110,9 +110,13 @@ class RankProc:
     def start(self) -> RankProc:
         """Fork the rank from the bench's preloaded forkserver (SGLang imported once per test
         run); a rank in a network namespace is a fresh interpreter under ``ip netns exec``."""
-        from helpers.subproc import clean_env
+        from helpers.subproc import clean_env, sglang_env_problems
 
-        env = clean_env({**LOOPBACK_ENV, **FAULT_ENV, **self.spec.env, **self.env})
+        ours = {**LOOPBACK_ENV, **FAULT_ENV, **self.spec.env, **self.env}
+        bad = sglang_env_problems(ours)
+        if bad:  # SGLang would run the rank with its defaults instead
+            raise ValueError(f"{self.name}: SGLang would ignore " + "; ".join(bad))
+        env = clean_env(ours)
         if self.netns:
             self._exec_in_netns(env)
         else:
@@ -756,7 +760,10 @@ class _PrefillRank(_Rank):
         return len(self.active)
 
     def do_release(self, rooms: list[int]) -> list[int]:
-        """Send the held chunks of ``rooms`` (those still active); returns which were sent."""
+        """Send the held chunks of ``rooms`` (those still active); returns which were sent.
+        A room whose sender has not started yet (its decode's request is still on its way)
+        is released too: it sends every chunk when it starts, instead of holding its last
+        one for good."""
         sent = []
         for room in rooms:
             ctx = self.active.get(room)
@@ -764,6 +771,8 @@ class _PrefillRank(_Rank):
                 ctx.held = False
                 self._send_parts(ctx, len(ctx.parts))
                 sent.append(room)
+            elif ctx is not None and not ctx.inited:
+                ctx.plan = "normal"
         return sent
 
     def do_held(self) -> list[int]:

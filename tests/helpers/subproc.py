@@ -51,6 +51,25 @@ def clean_env(
     return env
 
 
+def sglang_env_problems(env: Mapping[str, str]) -> list[str]:
+    """The ``SGLANG_*`` values in ``env`` that SGLang would not read: it parses each variable
+    it declares with that variable's type, and on a bad value warns (a warning our
+    subprocesses ignore) and uses its own default instead, e.g. ``"10.0"`` for an integer
+    timeout gave the process SGLang's 300 s."""
+    from sglang.srt.environ import Envs
+
+    problems = []
+    for name, value in env.items():
+        field = vars(Envs).get(name) if name.startswith("SGLANG_") else None
+        if field is None or not hasattr(field, "parse"):
+            continue
+        try:
+            field.parse(value)
+        except ValueError as exc:
+            problems.append(f"{name}={value!r}: {exc}")
+    return problems
+
+
 def run(
     argv: Sequence[str],
     env: Mapping[str, str] | None = None,
