@@ -56,14 +56,18 @@ class FakeSGLang:
         if room in self.status and self.status[room] != SUCCESS:
             self.status[room] = FAILED
 
-    def conclude_failure(self, room: int, reason: str) -> None:
+    def conclude_failure(self, room: int, reason: str, only_open: bool = False) -> bool:
+        if self.status.get(room) == SUCCESS or (only_open and not self.is_open(room)):
+            return False
         self.concluded.append((room, "failed: " + reason))
         if room in self.status:
             self.status[room] = FAILED
+        return True
 
-    def conclude_success(self, room: int) -> None:
+    def conclude_success(self, room: int) -> bool:
         self.concluded.append((room, "success"))
         self.status[room] = SUCCESS
+        return True
 
     def destinations(self, room: int) -> dict[str, TransferInfo]:
         return self.infos.get(room) or {}
@@ -394,3 +398,242 @@ def test_a_one_pass_copy_launched_before_a_refused_post_is_waited_for(side):
     side.worker._poll()
     assert side.worker.kernels == 0 and side.sg.concluded == [(ROOM, why)]
     _drained(side)
+
+
+# -- a decode dropped while a chunk of its room is submitted ------------------------------
+
+
+class RecordingAgent:
+    """The NIXL calls ``TransferEngine`` makes, recorded; WRITEs stay in flight."""
+
+    def __init__(self) -> None:
+        self.posted: list[Xfer] = []
+        self.released_lists: list[str] = []
+        self.removed: list[str] = []
+
+    def write(self, local, lidx, remote, ridx, *, peer, nbytes, descriptors, notif=b""):
+        x = Xfer(handle=None, peer=peer, nbytes=nbytes, descriptors=descriptors)
+        self.posted.append(x)
+        return x
+
+    def poll(self, x: Xfer) -> str:
+        return x.state
+
+    def release(self, x: Xfer) -> bool:
+        return True
+
+    def abandon(self, x: Xfer) -> None:
+        pass
+
+    def telemetry(self, x: Xfer) -> None:
+        return None
+
+    def release_dlist(self, handle: str) -> None:
+        self.released_lists.append(handle)
+
+    def remove_peer(self, name: str) -> None:
+        self.removed.append(name)
+
+
+def _real_engine(side) -> tuple[Any, Any]:
+    """Swap the fake engine for the real ``TransferEngine`` (over a recording agent) with
+    one prepared KV group to the decode."""
+    from sgl_nixl_plugin.engine.engine import GroupLink, PeerLink, TransferEngine, _Side
+    from sgl_nixl_plugin.engine.layout import Geometry
+
+    engine = object.__new__(TransferEngine)
+    engine.agent = RecordingAgent()
+    engine.memory = side.engine.memory
+    engine._local_lists = {}
+    one = np.zeros(1, dtype=np.int64)
+    link = PeerLink(AGENT)
+    link.groups["kv"] = GroupLink(
+        Geometry.whole_items(), _Side("local", one), _Side("remote", one), 64, 1, 16, 16
+    )
+    side.ctx.engine = engine
+    side.ctx.peers.accepted[AGENT].link = link
+    return engine, link
+
+
+def test_a_write_on_a_closed_link_is_refused_not_skipped(side):
+    """``unlink`` closes the link: a WRITE posted on it after raises (the room fails) where
+    it returned None (nothing posted, and the room went on to Success)."""
+    from sgl_nixl_plugin.engine.agent import TransferError
+
+    engine, link = _real_engine(side)
+    assert engine.write(link, "kv", np.arange(2), np.arange(2)) is not None
+    engine.unlink(link)
+    assert link.closed and engine.agent.released_lists == ["remote", "local"]
+    with pytest.raises(TransferError, match=f"decode {AGENT} was dropped"):
+        engine.write(link, "kv", np.arange(2), np.arange(2))
+
+
+def test_a_chunk_submitted_while_its_decode_is_dropped_never_ends_in_success(side, monkeypatch):
+    """Liveness drops the decode (its link is closed, its rooms failed) while the worker
+    submits the room's last chunk, having looked its peer up just before: the room must
+    not conclude Success with nothing written. It did when the chunk came between the
+    unlink and the failing of the rooms: every WRITE on the emptied link was skipped, so
+    nothing was in flight, and the room was not failed yet."""
+    engine, link = _real_engine(side)
+    _destination(side)
+    control = PrefillControl(side.ctx, wake=lambda room: None, recall=lambda room: None)
+    peer = side.ctx.peers.get(AGENT)
+    real_unlink = engine.unlink
+
+    def unlink_then_the_worker_runs(lnk: Any) -> None:
+        real_unlink(lnk)
+        # the worker thread, right after the link closed, with the peer it looked up
+        # before the control thread took it out of the table
+        monkeypatch.setattr(side.ctx.peers, "get", lambda agent: peer)
+        side.worker._submit(_chunk())
+
+    monkeypatch.setattr(engine, "unlink", unlink_then_the_worker_runs)
+    control.drop_peer(AGENT, "closed its connection")
+    assert engine.agent.posted == []
+    assert [c for c in side.sg.concluded if c[1] == "success"] == [], side.sg.concluded
+    assert side.sg.concluded and side.sg.status[ROOM] == FAILED
+    _drained(side)
+
+
+# -- a WRITE stuck to a decode that is gone ------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["liveness", "abort"])
+def test_a_write_stuck_in_a_room_failed_elsewhere_is_given_up_within_the_drain_bound(side, how):
+    """The decode is partitioned: the room's WRITE stays in flight. Liveness (or the
+    decode's abort) fails the room on the control thread while SGLang's sender still
+    exists. The worker must give that WRITE up once it is older than the drain bound, so
+    the room closes, its in-flight count (and an abort's ACK) comes back, and its handle
+    is freed. It polled it until SGLang cleared the sender, without a bound of its own."""
+    abandoned: list[Xfer] = []
+    side.engine.agent.abandon = abandoned.append
+    _destination(side)
+    side.worker._submit(_chunk())
+    (x,) = side.engine.posted  # PROC for good: the link is cut
+    if how == "liveness":
+        side.ctx.fail_rooms_of_peer(AGENT, f"decode {AGENT} stopped answering")
+    else:
+        control = PrefillControl(side.ctx, wake=lambda room: None, recall=lambda room: None)
+        control.on_abort(Abort(ROOM, "127.0.0.1", 7001, generation=3))
+    assert side.sg.status[ROOM] == FAILED and ROOM in side.sg.status  # sender not cleared
+    side.worker._poll()
+    assert abandoned == [] and ROOM in side.ctx.rooms  # within the bound: it may land
+    x.started -= side.ctx.settings.abort_drain_timeout_s + 1
+    side.worker._poll()
+    assert abandoned == [x]
+    assert not [c for c in side.sg.concluded if c[1] == "success"]
+    if how == "abort":
+        assert side.sg.acked == [ROOM]
+    _drained(side)
+
+
+# -- one outcome per room, whichever thread decides it -------------------------------------
+
+
+class SGLangManager:
+    """SGLang's own conclusion logic (``CommonKVManager``'s methods) over plain tables;
+    status messages to decodes are recorded. ``pause_success`` holds the thread that
+    concludes Success between SGLang's check of the room and its update of the status."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from sglang.srt.disaggregation.common.conn import CommonKVManager as M
+
+        for name in ("conclude_transfer", "conclude_failure", "record_failure"):
+            setattr(self, name, getattr(M, name).__get__(self))
+        self._update_status = M.update_status.__get__(self)
+        self._room_notify_targets = M._room_notify_targets.__get__(self)
+        self.request_status: dict[int, Any] = {}
+        self.failure_records: dict[int, str] = {}
+        self.failure_lock = threading.Lock()
+        self.transfer_infos: dict[int, dict[str, TransferInfo]] = {}
+        self._staging_outstanding: dict[int, int] = {}
+        self._deferred_ack_targets: dict = {}
+        self._deferred_ack_poisoned_rooms: set = set()
+        self.deferred_bootstrap = None
+        self.sent: list[tuple[int, Any]] = []
+        self.checked, self.go = threading.Event(), threading.Event()
+        self.pause_success = False
+
+    def update_status(self, room: int, status: Any) -> None:
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        if status == KVPoll.Success and self.pause_success:
+            self.checked.set()
+            assert self.go.wait(10), "the test never let the worker go on"
+        self._update_status(room, status)
+
+    def send_kv_status_message(self, *, targets, bootstrap_room, status, failure_reason=None):
+        self.sent.append((bootstrap_room, status))
+
+
+def test_a_room_failed_while_its_success_is_concluded_keeps_one_outcome():
+    """The worker concludes Success (SGLang checked the room: not failed) while liveness
+    fails the room's decode on the control thread. Only one of them may decide: the
+    decode is told Success and the prefill's room ends Success, or both are Failed.
+    Without one lock over check and update the failure came between them: the prefill's
+    room ended Failed (its poll reports Failed) while the decode was sent Success too."""
+    import threading
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sgl_nixl_plugin.adapter.sglang_rooms import SGLangRooms
+
+    mgr = SGLangManager()
+    sg = SGLangRooms(mgr)
+    mgr.request_status[ROOM] = KVPoll.Transferring
+    info = TransferInfo(ROOM, AGENT, "127.0.0.1", 7001, np.arange(4), -1, [], 1, False)
+    mgr.transfer_infos[ROOM] = {AGENT: info}
+    ctx = SimpleNamespace(sglang=sg)
+    mgr.pause_success = True
+    worker = threading.Thread(target=sg.conclude_success, args=(ROOM,), daemon=True)
+    worker.start()
+    assert mgr.checked.wait(10)
+    failer = threading.Thread(
+        target=PrefillContext.fail_rooms_of_peer,
+        args=(ctx, AGENT, f"decode {AGENT} stopped answering"),
+        daemon=True,
+    )
+    failer.start()
+    failer.join(0.5)  # without the lock it fails the room now; with it, it waits
+    mgr.go.set()
+    worker.join(10)
+    failer.join(10)
+    assert not worker.is_alive() and not failer.is_alive()
+    assert mgr.sent == [(ROOM, KVPoll.Success)], mgr.sent
+    assert mgr.request_status[ROOM] == KVPoll.Success and ROOM not in mgr.failure_records
+
+
+def test_staged_writes_given_up_after_the_drain_bound_count_as_ended():
+    """A staged send whose WRITEs never settle (their decode is gone) abandons them after
+    ``drain_timeout_s``; they must count as ended, or the worker's in-flight count for the
+    room (``posted - settled``) never came back to 0 (no abort ACK, a table that leaks)."""
+    import time
+
+    from sgl_nixl_plugin.engine.layout import Geometry
+    from sgl_nixl_plugin.engine.staging import Piece, StagedSend, _InFlight
+
+    abandoned: list[Xfer] = []
+    agent = SimpleNamespace(poll=lambda x: "PROC", abandon=abandoned.append)
+    local = SimpleNamespace(release=lambda slots: None)
+    piece = Piece(0, 0, 1, 0, 1, 64)
+    send = StagedSend(
+        agent,
+        None,
+        local,
+        None,
+        AGENT,
+        np.zeros(1, np.uint64),
+        np.arange(1),  # type: ignore[arg-type]
+        Geometry.whole_items(),
+        [piece],
+        remote_free=[],
+        drain_timeout_s=0.0,  # type: ignore[arg-type]
+    )
+    x = Xfer(handle=None, peer=AGENT, nbytes=64, descriptors=1)
+    send._writing, send.posted = [_InFlight(piece, 0, 0, x)], 1
+    send.error, send._error_at = "room ended", time.monotonic() - 1
+    send.step()
+    assert abandoned == [x] and not send.in_flight
+    assert send.settled == send.posted
