@@ -100,34 +100,40 @@ def _without_page_size(response: web.StreamResponse) -> web.StreamResponse:
     return web.json_response(data, status=response.status)
 
 
-class OneLineHttpErrors(logging.Filter):
-    """aiohttp logs a request it cannot parse (broken framing, or not HTTP at all) with a
-    traceback, from below our handlers; an operator's log must show such a refusal as one
-    line, like every other refusal, not as a stack trace that looks like a bug. Errors that
-    are not parse errors keep their traceback."""
+class ServerLog(logging.LoggerAdapter):
+    """The logger of the bootstrap's aiohttp request handlers. aiohttp logs a request it
+    cannot parse (broken framing, or not HTTP at all) from below our handlers: with a
+    traceback, or, for bytes that are not HTTP at all, at DEBUG, which a server's INFO level
+    never creates. Here each such refusal is counted and logged in one WARNING line, like
+    every other refusal, whatever the level. Everything else goes to ``aiohttp.server``
+    unchanged."""
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
+    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info")
         if isinstance(exc, HttpProcessingError):
             metrics.rejected("http_bad_framing")
-            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
-            record.msg = "sgl-nixl bootstrap: %d for a malformed HTTP request from %s: %s"
-            record.args = (exc.code, peer, str(exc.message).splitlines()[0][:200])
-            record.exc_info = record.exc_text = None
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
-        return True
+            peer = args[0] if args else "?"
+            self.logger.warning(
+                "sgl-nixl bootstrap: %d for a malformed HTTP request from %s: %s",
+                exc.code,
+                peer,
+                str(exc.message).splitlines()[0][:200],
+            )
+            return
+        super().log(level, msg, *args, **kwargs)
 
 
-_AIOHTTP_FILTER = OneLineHttpErrors()
+_SERVER_LOG = ServerLog(logging.getLogger("aiohttp.server"), {})
 
 
 class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
     def _setup_routes(self) -> None:
         self.secret = read_secret()
-        server_log = logging.getLogger("aiohttp.server")
-        if _AIOHTTP_FILTER not in server_log.filters:
-            server_log.addFilter(_AIOHTTP_FILTER)
-        self.app = web.Application(client_max_size=MAX_BODY, middlewares=[self._guard])
+        self.app = web.Application(
+            client_max_size=MAX_BODY,
+            middlewares=[self._guard],
+            handler_args={"logger": _SERVER_LOG},
+        )
         super()._setup_routes()
 
     @web.middleware

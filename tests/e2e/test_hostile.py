@@ -1139,6 +1139,33 @@ def test_bootstrap_fuzz_leaves_no_traceback_in_the_log(
     assert bad == len(lines) > 30, (bad, len(lines))
 
 
+def test_non_http_bytes_at_the_bootstrap_are_counted_at_a_servers_log_level(
+    bootstrap: Bootstrap, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bytes that are not HTTP at all (a bad method token as a connection's first request)
+    are refused, counted and logged in one WARNING line at the level a server runs at:
+    aiohttp reports them at DEBUG only, which a server's INFO level never creates, so
+    the chaos soak once saw raw garbage neither counted nor logged."""
+    port = int(bootstrap.url.rsplit(":", 1)[1])
+    good = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    forms = [b"\x00\xff" + good, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n"]
+    before = rejected_counts()["http_bad_framing"]
+    with caplog.at_level(logging.INFO):
+        assert logging.getLogger("aiohttp.server").getEffectiveLevel() == logging.INFO
+        for raw in forms:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(raw)
+                s.shutdown(socket.SHUT_WR)
+                while s.recv(65536):
+                    pass
+        assert _health(bootstrap)
+    lines = [r for r in caplog.records if "malformed HTTP request from" in r.getMessage()]
+    assert [r.levelname for r in lines] == ["WARNING"] * len(forms), [
+        r.getMessage() for r in caplog.records
+    ]
+    assert rejected_counts()["http_bad_framing"] - before == len(forms)
+
+
 def test_every_bootstrap_refusal_leaves_one_log_line(
     bootstrap: Bootstrap, caplog: pytest.LogCaptureFixture
 ) -> None:
