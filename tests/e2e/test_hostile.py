@@ -1106,6 +1106,15 @@ def test_decode_drops_forged_statuses_and_pieces(hostile: HostileRun) -> None:
     assert not [room for room in hostile.forged_rooms if str(room) in hostile.log]
 
 
+def _send_raw(port: int, raw: bytes) -> None:
+    """Send ``raw`` on a connection of its own, then read until the server closes it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(raw)
+        s.shutdown(socket.SHUT_WR)
+        while s.recv(65536):
+            pass
+
+
 def test_bootstrap_fuzz_leaves_no_traceback_in_the_log(
     bootstrap: Bootstrap, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -1121,11 +1130,7 @@ def test_bootstrap_fuzz_leaves_no_traceback_in_the_log(
             method, path, body = _random_request(rng)
             tally.check(bootstrap.call(method, path, body), f"{method} {path[:80]}")
         for raw in _raw_garbage(rng, 100):  # not HTTP at all, or broken framing
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-                s.sendall(raw)
-                s.shutdown(socket.SHUT_WR)
-                while s.recv(65536):
-                    pass
+            _send_raw(port, raw)
         assert _health(bootstrap)
     out, err = capfd.readouterr()
     traced = [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
@@ -1153,11 +1158,7 @@ def test_non_http_bytes_at_the_bootstrap_are_counted_at_a_servers_log_level(
     with caplog.at_level(logging.INFO):
         assert logging.getLogger("aiohttp.server").getEffectiveLevel() == logging.INFO
         for raw in forms:
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-                s.sendall(raw)
-                s.shutdown(socket.SHUT_WR)
-                while s.recv(65536):
-                    pass
+            _send_raw(port, raw)
         assert _health(bootstrap)
     lines = [r for r in caplog.records if "malformed HTTP request from" in r.getMessage()]
     assert [r.levelname for r in lines] == ["WARNING"] * len(forms), [
