@@ -18,7 +18,7 @@ fi
 
 # A run that already set this venv up (ci/run_tests.sh before ci/run_matrix.sh) installs
 # nothing again.
-if [[ ${SGL_NIXL_ENV_READY:-} == "$_sgl_nixl_venv" && -x "$_sgl_nixl_venv/bin/python" ]]; then
+if [[ ${NIXL_PLUGIN_CI_VENV_READY:-} == "$_sgl_nixl_venv" && -x "$_sgl_nixl_venv/bin/python" ]]; then
     echo "setup_env: $_sgl_nixl_venv was set up earlier in this run" >&2
 else
 # The work runs in a subshell with strict options, so a sourcing shell is left untouched.
@@ -64,7 +64,7 @@ else
     # `return` when sourced, `exit` when run.
     return "$_sgl_nixl_rc" 2>/dev/null || exit "$_sgl_nixl_rc"
 }
-export SGL_NIXL_ENV_READY="$_sgl_nixl_venv"
+export NIXL_PLUGIN_CI_VENV_READY="$_sgl_nixl_venv"
 fi
 
 # shellcheck disable=SC1091

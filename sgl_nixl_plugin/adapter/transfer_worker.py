@@ -33,13 +33,7 @@ from sgl_nixl_plugin.engine.staging import (
 )
 from sgl_nixl_plugin.protocol.credits import SlotCredits
 from sgl_nixl_plugin.protocol.peers import DecodePeer
-from sgl_nixl_plugin.protocol.prefill_rooms import (
-    TERMINAL,
-    Chunk,
-    PrefillPhase,
-    PrefillRoom,
-    TransferInfo,
-)
+from sgl_nixl_plugin.protocol.prefill_rooms import Chunk, PrefillPhase, PrefillRoom, TransferInfo
 from sgl_nixl_plugin.wire.messages import PieceReady, SlotAsk, SlotReturn
 
 logger = logging.getLogger(__name__)
@@ -522,11 +516,6 @@ class TransferWorker:
         """Poll every transfer in flight; returns how many settled."""
         ctx, settled = self.ctx, 0
         for rec in list(self.active.values()):
-            if not rec.stopping and ctx.sglang.is_failed_or_gone(rec.room):
-                # failed by another thread (liveness, an abort) or cleared: stop here too,
-                # so a WRITE stuck to a lost decode is given up after the drain bound below
-                # instead of when (if ever) SGLang clears the sender
-                rec.fail("room ended")
             if rec.jobs:
                 try:
                     settled += self._step_jobs(rec)
@@ -612,11 +601,6 @@ class TransferWorker:
             rooms.close(rec, PrefillPhase.FAILED)
         elif rec.last_chunk_seen:
             self.active.pop(rec.room, None)
-            if rec.phase in TERMINAL:
-                return
-            # the decode's status first, then bookkeeping; another thread may have failed
-            # the room since the check above: then SGLang concluded (and sent) the failure
-            ok = sg.conclude_success(rec.room)
-            rooms.close(rec, PrefillPhase.SUCCEEDED if ok else PrefillPhase.FAILED)
-            if ok:
+            if rooms.close(rec, PrefillPhase.SUCCEEDED):
+                sg.conclude_success(rec.room)  # the decode's status first, then bookkeeping
                 self.ctx.observe(rec, ok=True)
