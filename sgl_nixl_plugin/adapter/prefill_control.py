@@ -404,10 +404,12 @@ class PrefillControl(ControlLoop):
 
     def _drop_peer_locked(self, peer: DecodePeer, why: str) -> None:
         self.ctx.peers.accepted.pop(peer.agent, None)
-        self.ctx.unlink(peer.link)
+        # its rooms fail first, with this reason; a WRITE posted after on the closed link
+        # is refused (``TransferEngine.write``): no room of it can end Success unwritten
         self.ctx.fail_rooms_of_peer(
             peer.agent, f"decode {peer.agent} at {peer.endpoint[0]}:{peer.endpoint[1]}: {why}"
         )
+        self.ctx.unlink(peer.link)
 
     def drop_peer(self, agent: str, why: str) -> None:
         with self.ctx.peers.lock:

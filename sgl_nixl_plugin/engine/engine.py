@@ -138,6 +138,11 @@ class PeerLink:
     groups: dict[str, GroupLink] = field(default_factory=dict)
     # the peer's KV pool mapped through CUDA IPC, when our GPU can reach it (``one_pass``)
     one_pass: OnePassLink | None = None
+    # set by ``unlink``: WRITEs are posted under ``lock`` and refused once it is set, so a
+    # WRITE never uses a released list, and one the worker posts after the peer was
+    # dropped fails instead of posting nothing (a room could then end Success, unwritten)
+    closed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
 
 class TransferEngine:
@@ -259,11 +264,13 @@ class TransferEngine:
         if link.one_pass is not None:
             link.one_pass.close()
         local_shared = {id(s.dlist) for s in self._local_lists.values()}
-        for g in link.groups.values():
-            self.agent.release_dlist(g.remote.dlist)
-            if id(g.local.dlist) not in local_shared:
-                self.agent.release_dlist(g.local.dlist)
-        link.groups.clear()
+        with link.lock:  # after any WRITE being posted on it; none after
+            link.closed = True
+            for g in link.groups.values():
+                self.agent.release_dlist(g.remote.dlist)
+                if id(g.local.dlist) not in local_shared:
+                    self.agent.release_dlist(g.local.dlist)
+            link.groups.clear()
         self.agent.remove_peer(link.name)
 
     def write(
@@ -274,25 +281,29 @@ class TransferEngine:
         dst: np.ndarray,
         notif: bytes = b"",
     ) -> Xfer | None:
-        """Post one WRITE of items ``src`` (local) into items ``dst`` (peer); None if empty."""
-        g = link.groups.get(group)
-        if g is None or len(src) == 0:
-            return None
-        if len(src) != len(dst):
-            raise TransferError(f"{group}: {len(src)} source items for {len(dst)} destinations")
-        upp = g.geometry.units_per_item
-        lidx = unit_indices(src, g.local.offsets[: g.num_regions], upp)
-        ridx = unit_indices(dst, g.remote.offsets[: g.num_regions], upp)
-        return self.agent.write(
-            g.local.dlist,
-            lidx,
-            g.remote.dlist,
-            ridx,
-            peer=link.name,
-            nbytes=g.unit_bytes * len(src),
-            descriptors=expected_descriptors(src, dst, g.num_regions, g.geometry),
-            notif=notif,
-        )
+        """Post one WRITE of items ``src`` (local) into items ``dst`` (peer); None if empty
+        or the peer has no such group. Raises ``TransferError`` once the link is closed."""
+        with link.lock:
+            if link.closed:
+                raise TransferError(f"decode {link.name} was dropped: its link is closed")
+            g = link.groups.get(group)
+            if g is None or len(src) == 0:
+                return None
+            if len(src) != len(dst):
+                raise TransferError(f"{group}: {len(src)} source items for {len(dst)} destinations")
+            upp = g.geometry.units_per_item
+            lidx = unit_indices(src, g.local.offsets[: g.num_regions], upp)
+            ridx = unit_indices(dst, g.remote.offsets[: g.num_regions], upp)
+            return self.agent.write(
+                g.local.dlist,
+                lidx,
+                g.remote.dlist,
+                ridx,
+                peer=link.name,
+                nbytes=g.unit_bytes * len(src),
+                descriptors=expected_descriptors(src, dst, g.num_regions, g.geometry),
+                notif=notif,
+            )
 
     def warm(
         self, link: PeerLink, timeout_s: float = 1.0, idle: Callable[[], object] | None = None

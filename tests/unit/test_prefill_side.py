@@ -394,3 +394,98 @@ def test_a_one_pass_copy_launched_before_a_refused_post_is_waited_for(side):
     side.worker._poll()
     assert side.worker.kernels == 0 and side.sg.concluded == [(ROOM, why)]
     _drained(side)
+
+
+# -- a decode dropped while a chunk of its room is submitted ------------------------------
+
+
+class RecordingAgent:
+    """The NIXL calls ``TransferEngine`` makes, recorded; WRITEs stay in flight."""
+
+    def __init__(self) -> None:
+        self.posted: list[Xfer] = []
+        self.released_lists: list[str] = []
+        self.removed: list[str] = []
+
+    def write(self, local, lidx, remote, ridx, *, peer, nbytes, descriptors, notif=b""):
+        x = Xfer(handle=None, peer=peer, nbytes=nbytes, descriptors=descriptors)
+        self.posted.append(x)
+        return x
+
+    def poll(self, x: Xfer) -> str:
+        return x.state
+
+    def release(self, x: Xfer) -> bool:
+        return True
+
+    def abandon(self, x: Xfer) -> None:
+        pass
+
+    def telemetry(self, x: Xfer) -> None:
+        return None
+
+    def release_dlist(self, handle: str) -> None:
+        self.released_lists.append(handle)
+
+    def remove_peer(self, name: str) -> None:
+        self.removed.append(name)
+
+
+def _real_engine(side) -> tuple[Any, Any]:
+    """Swap the fake engine for the real ``TransferEngine`` (over a recording agent) with
+    one prepared KV group to the decode."""
+    from sgl_nixl_plugin.engine.engine import GroupLink, PeerLink, TransferEngine, _Side
+    from sgl_nixl_plugin.engine.layout import Geometry
+
+    engine = object.__new__(TransferEngine)
+    engine.agent = RecordingAgent()
+    engine.memory = side.engine.memory
+    engine._local_lists = {}
+    one = np.zeros(1, dtype=np.int64)
+    link = PeerLink(AGENT)
+    link.groups["kv"] = GroupLink(
+        Geometry.whole_items(), _Side("local", one), _Side("remote", one), 64, 1, 16, 16
+    )
+    side.ctx.engine = engine
+    side.ctx.peers.accepted[AGENT].link = link
+    return engine, link
+
+
+def test_a_write_on_a_closed_link_is_refused_not_skipped(side):
+    """``unlink`` closes the link: a WRITE posted on it after raises (the room fails) where
+    it returned None (nothing posted, and the room went on to Success)."""
+    from sgl_nixl_plugin.engine.agent import TransferError
+
+    engine, link = _real_engine(side)
+    assert engine.write(link, "kv", np.arange(2), np.arange(2)) is not None
+    engine.unlink(link)
+    assert link.closed and engine.agent.released_lists == ["remote", "local"]
+    with pytest.raises(TransferError, match=f"decode {AGENT} was dropped"):
+        engine.write(link, "kv", np.arange(2), np.arange(2))
+
+
+def test_a_chunk_submitted_while_its_decode_is_dropped_never_ends_in_success(side, monkeypatch):
+    """Liveness drops the decode (its link is closed, its rooms failed) while the worker
+    submits the room's last chunk, having looked its peer up just before: the room must
+    not conclude Success with nothing written. It did when the chunk came between the
+    unlink and the failing of the rooms: every WRITE on the emptied link was skipped, so
+    nothing was in flight, and the room was not failed yet."""
+    engine, link = _real_engine(side)
+    _destination(side)
+    control = PrefillControl(side.ctx, wake=lambda room: None, recall=lambda room: None)
+    peer = side.ctx.peers.get(AGENT)
+    real_unlink = engine.unlink
+
+    def unlink_then_the_worker_runs(lnk: Any) -> None:
+        real_unlink(lnk)
+        # the worker thread, right after the link closed, with the peer it looked up
+        # before the control thread took it out of the table
+        monkeypatch.setattr(side.ctx.peers, "get", lambda agent: peer)
+        side.worker._submit(_chunk())
+
+    monkeypatch.setattr(engine, "unlink", unlink_then_the_worker_runs)
+    control.drop_peer(AGENT, "closed its connection")
+    assert engine.agent.posted == []
+    assert [c for c in side.sg.concluded if c[1] == "success"] == [], side.sg.concluded
+    assert side.sg.concluded and side.sg.status[ROOM] == FAILED
+    _drained(side)
