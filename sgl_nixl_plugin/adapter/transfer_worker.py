@@ -516,6 +516,11 @@ class TransferWorker:
         """Poll every transfer in flight; returns how many settled."""
         ctx, settled = self.ctx, 0
         for rec in list(self.active.values()):
+            if not rec.stopping and ctx.sglang.is_failed_or_gone(rec.room):
+                # failed by another thread (liveness, an abort) or cleared: stop here too,
+                # so a WRITE stuck to a lost decode is given up after the drain bound below
+                # instead of when (if ever) SGLang clears the sender
+                rec.fail("room ended")
             if rec.jobs:
                 try:
                     settled += self._step_jobs(rec)

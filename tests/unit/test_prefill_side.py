@@ -489,3 +489,35 @@ def test_a_chunk_submitted_while_its_decode_is_dropped_never_ends_in_success(sid
     assert [c for c in side.sg.concluded if c[1] == "success"] == [], side.sg.concluded
     assert side.sg.concluded and side.sg.status[ROOM] == FAILED
     _drained(side)
+
+
+# -- a WRITE stuck to a decode that is gone ------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["liveness", "abort"])
+def test_a_write_stuck_in_a_room_failed_elsewhere_is_given_up_within_the_drain_bound(side, how):
+    """The decode is partitioned: the room's WRITE stays in flight. Liveness (or the
+    decode's abort) fails the room on the control thread while SGLang's sender still
+    exists. The worker must give that WRITE up once it is older than the drain bound, so
+    the room closes, its in-flight count (and an abort's ACK) comes back, and its handle
+    is freed. It polled it until SGLang cleared the sender, without a bound of its own."""
+    abandoned: list[Xfer] = []
+    side.engine.agent.abandon = abandoned.append
+    _destination(side)
+    side.worker._submit(_chunk())
+    (x,) = side.engine.posted  # PROC for good: the link is cut
+    if how == "liveness":
+        side.ctx.fail_rooms_of_peer(AGENT, f"decode {AGENT} stopped answering")
+    else:
+        control = PrefillControl(side.ctx, wake=lambda room: None, recall=lambda room: None)
+        control.on_abort(Abort(ROOM, "127.0.0.1", 7001, generation=3))
+    assert side.sg.status[ROOM] == FAILED and ROOM in side.sg.status  # sender not cleared
+    side.worker._poll()
+    assert abandoned == [] and ROOM in side.ctx.rooms  # within the bound: it may land
+    x.started -= side.ctx.settings.abort_drain_timeout_s + 1
+    side.worker._poll()
+    assert abandoned == [x]
+    assert not [c for c in side.sg.concluded if c[1] == "success"]
+    if how == "abort":
+        assert side.sg.acked == [ROOM]
+    _drained(side)
