@@ -105,8 +105,9 @@ class PrefillContext(SideBase):
         """Fail (and tell) every open room with a destination on decode ``agent``."""
         for room, infos in self.sglang.rooms_with_destinations():
             info = infos.get(agent)
-            if info is not None and not info.is_dummy and self.sglang.is_open(room):
-                self.sglang.conclude_failure(room, reason)
+            if info is not None and not info.is_dummy:
+                # checked and failed at once: a Success concluded meanwhile stands
+                self.sglang.conclude_failure(room, reason, only_open=True)
 
     def note_early_abort(self, room: int, reason: str) -> bool:
         """Fail ``room`` now, or at its sender's creation if it has none yet (False)."""

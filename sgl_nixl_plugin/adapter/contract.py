@@ -45,6 +45,7 @@ SHARED: tuple[ReliedSignature, ...] = (
         "(self, args, disaggregation_mode, server_args, is_mla_backend=False)",
     ),
     relied("CommonKVManager.record_failure", "(self, bootstrap_room, failure_reason)"),
+    relied("CommonKVSender.abort", "(self)"),  # wrapped: atomic with our conclusions
     relied("CommonKVManager.try_ensure_parallel_info", "(self, bootstrap_addr)"),
     relied(
         "CommonKVManager.apply_prefill_status",

@@ -34,6 +34,11 @@ class NixlPluginKVSender(CommonKVSender):
             self.kv_mgr.settings.secret,
         )
 
+    def abort(self) -> None:
+        """SGLang's abort, atomic with the transfer worker's conclusion (``SGLangRooms``)."""
+        with self.kv_mgr.prefill.ctx.sglang.outcome_lock:
+            super().abort()
+
     def clear(self) -> None:
         super().clear()
         self.kv_mgr.prefill.release(self.bootstrap_room)

@@ -10,6 +10,7 @@ else (docs/sglang-contract-audit.md).
 
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple
 
 from sglang.srt.disaggregation.base.conn import KVPoll
@@ -63,6 +64,13 @@ _ENDED = (None, KVPoll.Success, KVPoll.Failed)
 class SGLangRooms:
     def __init__(self, mgr: Any) -> None:
         self._m = mgr
+        # A room's outcome is decided once. Our threads (the transfer worker concluding
+        # Success, the control thread and liveness failing rooms, SGLang's abort on the
+        # scheduler thread: ``sender.abort``) each check the room's status, then set it
+        # and tell the decode; under this lock no other one comes between the two, so
+        # the decode is never sent Success for a room failed here, nor a Failed that
+        # overturns a Success it was sent. (Sends never block: ``Transport``.)
+        self.outcome_lock = threading.Lock()
 
     # -- both sides ---------------------------------------------------------------------
     def exists(self, room: int) -> bool:
@@ -81,25 +89,41 @@ class SGLangRooms:
 
     def fail(self, room: int, reason: str) -> bool:
         """Fail an open room here only (no message to the peer); whether it was open."""
-        if not self.is_open(room):
-            return False
-        self._m.record_failure(room, reason)
-        self._m.update_status(room, KVPoll.Failed)
-        return True
+        with self.outcome_lock:
+            if not self.is_open(room):
+                return False
+            self._m.record_failure(room, reason)
+            self._m.update_status(room, KVPoll.Failed)
+            return True
 
     def fail_unless_done(self, room: int, reason: str) -> None:
         """Fail an existing room that has not succeeded (an abort that beat the sender)."""
-        if room in self._m.request_status and self._m.request_status[room] != KVPoll.Success:
-            self._m.record_failure(room, reason)
-            self._m.update_status(room, KVPoll.Failed)
+        with self.outcome_lock:
+            status = self._m.request_status.get(room)
+            if status is not None and status != KVPoll.Success:
+                self._m.record_failure(room, reason)
+                self._m.update_status(room, KVPoll.Failed)
 
     # -- prefill --------------------------------------------------------------------------
-    def conclude_failure(self, room: int, reason: str) -> None:
-        """Fail the room and tell its decode ranks (SGLang's status message)."""
-        self._m.conclude_failure(bootstrap_room=room, failure_reason=reason)
+    def conclude_failure(self, room: int, reason: str, only_open: bool = False) -> bool:
+        """Fail the room and tell its decode ranks (SGLang's status message); whether it
+        did. Never after Success (the decode was told, and may use the pages), and with
+        ``only_open`` not for a room that already failed either."""
+        with self.outcome_lock:
+            status = self._m.request_status.get(room)
+            if status is None or status == KVPoll.Success:
+                return False
+            if only_open and status == KVPoll.Failed:
+                return False
+            self._m.conclude_failure(bootstrap_room=room, failure_reason=reason)
+            return True
 
-    def conclude_success(self, room: int) -> None:
-        self._m.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
+    def conclude_success(self, room: int) -> bool:
+        """Conclude Success and tell the decode ranks, unless the room failed or is gone
+        (SGLang then sends the failure instead); whether Success it was."""
+        with self.outcome_lock:
+            self._m.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
+            return self._m.request_status.get(room) == KVPoll.Success
 
     def mark_ready(self, room: int) -> None:
         """Every decode destination arrived: SGLang's sender may start sending."""

@@ -33,7 +33,13 @@ from sgl_nixl_plugin.engine.staging import (
 )
 from sgl_nixl_plugin.protocol.credits import SlotCredits
 from sgl_nixl_plugin.protocol.peers import DecodePeer
-from sgl_nixl_plugin.protocol.prefill_rooms import Chunk, PrefillPhase, PrefillRoom, TransferInfo
+from sgl_nixl_plugin.protocol.prefill_rooms import (
+    TERMINAL,
+    Chunk,
+    PrefillPhase,
+    PrefillRoom,
+    TransferInfo,
+)
 from sgl_nixl_plugin.wire.messages import PieceReady, SlotAsk, SlotReturn
 
 logger = logging.getLogger(__name__)
@@ -606,6 +612,11 @@ class TransferWorker:
             rooms.close(rec, PrefillPhase.FAILED)
         elif rec.last_chunk_seen:
             self.active.pop(rec.room, None)
-            if rooms.close(rec, PrefillPhase.SUCCEEDED):
-                sg.conclude_success(rec.room)  # the decode's status first, then bookkeeping
+            if rec.phase in TERMINAL:
+                return
+            # the decode's status first, then bookkeeping; another thread may have failed
+            # the room since the check above: then SGLang concluded (and sent) the failure
+            ok = sg.conclude_success(rec.room)
+            rooms.close(rec, PrefillPhase.SUCCEEDED if ok else PrefillPhase.FAILED)
+            if ok:
                 self.ctx.observe(rec, ok=True)

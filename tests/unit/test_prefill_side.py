@@ -56,14 +56,18 @@ class FakeSGLang:
         if room in self.status and self.status[room] != SUCCESS:
             self.status[room] = FAILED
 
-    def conclude_failure(self, room: int, reason: str) -> None:
+    def conclude_failure(self, room: int, reason: str, only_open: bool = False) -> bool:
+        if self.status.get(room) == SUCCESS or (only_open and not self.is_open(room)):
+            return False
         self.concluded.append((room, "failed: " + reason))
         if room in self.status:
             self.status[room] = FAILED
+        return True
 
-    def conclude_success(self, room: int) -> None:
+    def conclude_success(self, room: int) -> bool:
         self.concluded.append((room, "success"))
         self.status[room] = SUCCESS
+        return True
 
     def destinations(self, room: int) -> dict[str, TransferInfo]:
         return self.infos.get(room) or {}
@@ -521,3 +525,81 @@ def test_a_write_stuck_in_a_room_failed_elsewhere_is_given_up_within_the_drain_b
     if how == "abort":
         assert side.sg.acked == [ROOM]
     _drained(side)
+
+
+# -- one outcome per room, whichever thread decides it -------------------------------------
+
+
+class SGLangManager:
+    """SGLang's own conclusion logic (``CommonKVManager``'s methods) over plain tables;
+    status messages to decodes are recorded. ``pause_success`` holds the thread that
+    concludes Success between SGLang's check of the room and its update of the status."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from sglang.srt.disaggregation.common.conn import CommonKVManager as M
+
+        for name in ("conclude_transfer", "conclude_failure", "record_failure"):
+            setattr(self, name, getattr(M, name).__get__(self))
+        self._update_status = M.update_status.__get__(self)
+        self._room_notify_targets = M._room_notify_targets.__get__(self)
+        self.request_status: dict[int, Any] = {}
+        self.failure_records: dict[int, str] = {}
+        self.failure_lock = threading.Lock()
+        self.transfer_infos: dict[int, dict[str, TransferInfo]] = {}
+        self._staging_outstanding: dict[int, int] = {}
+        self._deferred_ack_targets: dict = {}
+        self._deferred_ack_poisoned_rooms: set = set()
+        self.deferred_bootstrap = None
+        self.sent: list[tuple[int, Any]] = []
+        self.checked, self.go = threading.Event(), threading.Event()
+        self.pause_success = False
+
+    def update_status(self, room: int, status: Any) -> None:
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        if status == KVPoll.Success and self.pause_success:
+            self.checked.set()
+            assert self.go.wait(10), "the test never let the worker go on"
+        self._update_status(room, status)
+
+    def send_kv_status_message(self, *, targets, bootstrap_room, status, failure_reason=None):
+        self.sent.append((bootstrap_room, status))
+
+
+def test_a_room_failed_while_its_success_is_concluded_keeps_one_outcome():
+    """The worker concludes Success (SGLang checked the room: not failed) while liveness
+    fails the room's decode on the control thread. Only one of them may decide: the
+    decode is told Success and the prefill's room ends Success, or both are Failed.
+    Without one lock over check and update the failure came between them: the prefill's
+    room ended Failed (its poll reports Failed) while the decode was sent Success too."""
+    import threading
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sgl_nixl_plugin.adapter.sglang_rooms import SGLangRooms
+
+    mgr = SGLangManager()
+    sg = SGLangRooms(mgr)
+    mgr.request_status[ROOM] = KVPoll.Transferring
+    info = TransferInfo(ROOM, AGENT, "127.0.0.1", 7001, np.arange(4), -1, [], 1, False)
+    mgr.transfer_infos[ROOM] = {AGENT: info}
+    ctx = SimpleNamespace(sglang=sg)
+    mgr.pause_success = True
+    worker = threading.Thread(target=sg.conclude_success, args=(ROOM,), daemon=True)
+    worker.start()
+    assert mgr.checked.wait(10)
+    failer = threading.Thread(
+        target=PrefillContext.fail_rooms_of_peer,
+        args=(ctx, AGENT, f"decode {AGENT} stopped answering"),
+        daemon=True,
+    )
+    failer.start()
+    failer.join(0.5)  # without the lock it fails the room now; with it, it waits
+    mgr.go.set()
+    worker.join(10)
+    failer.join(10)
+    assert not worker.is_alive() and not failer.is_alive()
+    assert mgr.sent == [(ROOM, KVPoll.Success)], mgr.sent
+    assert mgr.request_status[ROOM] == KVPoll.Success and ROOM not in mgr.failure_records
