@@ -304,6 +304,8 @@ class StagedSend:
                 for f in self._writing:  # their peer is gone: they will never settle
                     self.agent.abandon(f.xfer)
                     self.local.release([f.local_slot])
+                # given up counts as ended: the caller's in-flight count must come back
+                self.settled += len(self._writing)
                 self._writing = []
         still = []
         for f in self._writing:

@@ -603,3 +603,37 @@ def test_a_room_failed_while_its_success_is_concluded_keeps_one_outcome():
     assert not worker.is_alive() and not failer.is_alive()
     assert mgr.sent == [(ROOM, KVPoll.Success)], mgr.sent
     assert mgr.request_status[ROOM] == KVPoll.Success and ROOM not in mgr.failure_records
+
+
+def test_staged_writes_given_up_after_the_drain_bound_count_as_ended():
+    """A staged send whose WRITEs never settle (their decode is gone) abandons them after
+    ``drain_timeout_s``; they must count as ended, or the worker's in-flight count for the
+    room (``posted - settled``) never came back to 0 (no abort ACK, a table that leaks)."""
+    import time
+
+    from sgl_nixl_plugin.engine.layout import Geometry
+    from sgl_nixl_plugin.engine.staging import Piece, StagedSend, _InFlight
+
+    abandoned: list[Xfer] = []
+    agent = SimpleNamespace(poll=lambda x: "PROC", abandon=abandoned.append)
+    local = SimpleNamespace(release=lambda slots: None)
+    piece = Piece(0, 0, 1, 0, 1, 64)
+    send = StagedSend(
+        agent,
+        None,
+        local,
+        None,
+        AGENT,
+        np.zeros(1, np.uint64),
+        np.arange(1),  # type: ignore[arg-type]
+        Geometry.whole_items(),
+        [piece],
+        remote_free=[],
+        drain_timeout_s=0.0,  # type: ignore[arg-type]
+    )
+    x = Xfer(handle=None, peer=AGENT, nbytes=64, descriptors=1)
+    send._writing, send.posted = [_InFlight(piece, 0, 0, x)], 1
+    send.error, send._error_at = "room ended", time.monotonic() - 1
+    send.step()
+    assert abandoned == [x] and not send.in_flight
+    assert send.settled == send.posted
