@@ -122,8 +122,10 @@ class SGLangRooms:
         """Conclude Success and tell the decode ranks, unless the room failed or is gone
         (SGLang then sends the failure instead); whether Success it was."""
         with self.outcome_lock:
-            self._m.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
-            return self._m.request_status.get(room) == KVPoll.Success
+            # what it emitted, not the table read after: the scheduler thread may poll the
+            # Success and clear the room in between (every supported release returns it)
+            emitted = self._m.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
+            return emitted == KVPoll.Success
 
     def mark_ready(self, room: int) -> None:
         """Every decode destination arrived: SGLang's sender may start sending."""

@@ -605,6 +605,32 @@ def test_a_room_failed_while_its_success_is_concluded_keeps_one_outcome():
     assert mgr.request_status[ROOM] == KVPoll.Success and ROOM not in mgr.failure_records
 
 
+def test_a_success_the_scheduler_clears_at_once_still_counts_as_success():
+    """SGLang's scheduler polls the Success the moment it is set and clears the room (its
+    status entry goes) before the worker reads the table again. The worker must take the
+    outcome from what it concluded: reading the table afterwards called the room failed,
+    so it was closed FAILED and never observed (a room missing from the metrics and from
+    ``sgl_nixl_transfer_done``, seen under load in the gate)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sgl_nixl_plugin.adapter.sglang_rooms import SGLangRooms
+
+    class ClearedAtOnce(SGLangManager):
+        def send_kv_status_message(self, *, targets, bootstrap_room, status, failure_reason=None):
+            super().send_kv_status_message(
+                targets=targets, bootstrap_room=bootstrap_room, status=status
+            )
+            self.request_status.pop(bootstrap_room, None)  # the scheduler's poll and clear
+
+    mgr = ClearedAtOnce()
+    sg = SGLangRooms(mgr)
+    mgr.request_status[ROOM] = KVPoll.Transferring
+    info = TransferInfo(ROOM, AGENT, "127.0.0.1", 7001, np.arange(4), -1, [], 1, False)
+    mgr.transfer_infos[ROOM] = {AGENT: info}
+    assert sg.conclude_success(ROOM) is True
+    assert mgr.sent == [(ROOM, KVPoll.Success)]
+
+
 def test_staged_writes_given_up_after_the_drain_bound_count_as_ended():
     """A staged send whose WRITEs never settle (their decode is gone) abandons them after
     ``drain_timeout_s``; they must count as ended, or the worker's in-flight count for the
