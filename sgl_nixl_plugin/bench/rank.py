@@ -555,7 +555,7 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
                 t = time.perf_counter()
                 ctx["ready_seen"], ctx["send_wall"] = t, time.time()
                 sender.init(len(ctx["pages"]), ctx["slot"])
-                ctx["parts"] = np.array_split(ctx["pages"], r.chunks)
+                ctx["parts"] = r.split(ctx["pages"])
                 ctx["tokens"] = r.chunk_tokens([len(p) for p in ctx["parts"]], w.page_size)
                 ctx["next"], ctx["next_at"] = 0, t + r.send_delay_ms * 1e-3
                 ctx["control_us"] = (time.perf_counter() - t) * 1e6

@@ -75,6 +75,14 @@ class Request:
     def pages(self, page_size: int) -> int:
         return -(-self.tokens // page_size)
 
+    def split(self, pages: np.ndarray) -> list[np.ndarray]:
+        """The request's pages in the chunks SGLang's scheduler sends: at most ``chunks``,
+        none empty. SGLang's sender calls the chunk that completes the pages the last one
+        (aux row with it) and ignores sends after the room ends, while the scheduler hands
+        the state to its own last send: an empty trailing chunk would carry the state
+        after the room could already have ended, and the state would never be written."""
+        return np.array_split(pages, max(1, min(self.chunks, len(pages))))
+
     def chunk_tokens(self, parts: list[int], page_size: int) -> list[int]:
         """SGLang's ``num_kv_tokens`` of each chunk of ``parts`` pages: its pages' tokens,
         as far as the request reaches (the chunk holding the last page ends the request)."""

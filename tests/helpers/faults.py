@@ -393,7 +393,7 @@ def make_requests(
 
 
 def first_chunk_pages(r: Request, page_size: int) -> int:
-    """Pages of the first of a request's two chunks (``np.array_split``)."""
+    """Pages of the first of a request's chunks (``Request.split`` into two)."""
     return -(-r.pages(page_size) // 2)
 
 
@@ -755,7 +755,7 @@ class _PrefillRank(_Rank):
                 pages,
                 slot,
                 plans.get(r.room, "normal"),
-                parts=np.array_split(pages, r.chunks),
+                parts=r.split(pages),
             )
         return len(self.active)
 
@@ -1247,12 +1247,12 @@ def soak_prefill(rank: _PrefillRank, plan: SoakPlan) -> dict[str, Any]:
             status = sender.poll()
             if status == KVPoll.WaitingForInput and not inited:
                 r = reqs[i]
-                if fates[i] == "client_abort" and r.chunks == 1:
+                parts = r.split(pages)
+                if fates[i] == "client_abort" and len(parts) == 1:
                     sender.abort()  # before any chunk was sent
                     continue
                 ctx[4] = True
                 sender.init(len(pages), slot)
-                parts = np.array_split(pages, r.chunks)
                 for k, part in enumerate(parts):
                     last = k == len(parts) - 1
                     if last and fates[i] == "client_abort":
