@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from sgl_nixl_plugin.adapter.context import PrefillContext
 from sgl_nixl_plugin.adapter.control_loop import ControlLoop
-from sgl_nixl_plugin.adapter.liveness import drain
 from sgl_nixl_plugin.adapter.memory import decode_heads, kv_geometry, remote_memory
 from sgl_nixl_plugin.adapter.one_pass import attach as attach_one_pass
+from sgl_nixl_plugin.adapter.peer_setup import SetupThread
 from sgl_nixl_plugin.adapter.pipeline_stages import DecodeStage, PrefillStage, decode_kv_window
 from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.descriptors import validate_items
@@ -50,6 +49,22 @@ logger = logging.getLogger(__name__)
 
 FAILED = 0  # KVPoll.Failed, as the status message carries it
 
+# messages that name the decode agent that sent them
+_FROM_AGENT = (PeerRegistration, TransferRequest, PieceDone, SlotGrant, SlotRecall)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What setting a decode up came to: a link (accepted), a ``reason`` (refused: its
+    layout cannot be served) or ``unreachable`` (a transport problem: it may retry)."""
+
+    link: PeerLink | None = None
+    warm_ms: float | None = None
+    window: tuple[int, ...] | None = None
+    one_pass: str = ""
+    reason: str = ""
+    unreachable: str = ""
+
 
 class PrefillControl(ControlLoop):
     """Receives registrations, transfer requests, aborts and pings from decode ranks.
@@ -75,20 +90,33 @@ class PrefillControl(ControlLoop):
         self.recall = recall
         self._pending: dict[tuple[str, int], str] = {}
         self._accepted: dict[tuple[str, int], str] = {}
-        self._held: deque[Any] = deque()  # read while a warm-up WRITE was waited for
+        # decodes being set up (agent -> control endpoint), and their messages read
+        # meanwhile: handled in arrival order once their registration is finished
+        self._setting_up: dict[str, tuple[str, int]] = {}
+        self._deferred: list[Any] = []
+        self.setup = SetupThread("sgl-nixl-prefill-setup", self.interrupt)
+
+    def start(self) -> None:
+        self.setup.start()
+        super().start()
+
+    def stop(self) -> None:
+        self.setup.stop()
+        super().stop()
 
     def on_frames(self, frames: list[Any]) -> None:
         decoded = self.ctx.codec.decode(frames)
         if decoded is not None:
             self._handle(decoded)
 
-    def on_batch_end(self) -> None:
-        """Handle what arrived during a warm-up, in arrival order (after the batch that
-        held the registration: those frames came first)."""
-        while self._held:
-            self._handle(self._held.popleft())
+    def tick(self) -> None:
+        self._finish_setups()
+        super().tick()
 
     def _handle(self, decoded: Any) -> None:
+        if self._waits_for_setup(decoded.msg):
+            self._deferred.append(decoded)
+            return
         try:
             self._dispatch(decoded.msg, decoded.kv, decoded.state)
         except Exception:
@@ -97,17 +125,14 @@ class PrefillControl(ControlLoop):
                 type(decoded.msg).__name__,
             )
 
-    def _between_warm_polls(self) -> None:
-        """A warm-up WRITE can take seconds on a loaded host, and decodes judge this rank
-        by its pongs: answer pings (and note pongs) now, hold everything else for later."""
-        for frames in drain(self.sock):
-            decoded = self.ctx.codec.decode(frames)
-            if decoded is None:
-                continue
-            if isinstance(decoded.msg, Ping | Pong):
-                self._handle(decoded)
-            else:
-                self._held.append(decoded)
+    def _waits_for_setup(self, msg: Any) -> bool:
+        """Whether ``msg`` comes from a decode whose registration is still being set up
+        (its requests need the link; a second registration waits for the first)."""
+        if not self._setting_up:
+            return False
+        if isinstance(msg, Abort):
+            return (msg.ip, msg.port) in self._setting_up.values()
+        return isinstance(msg, _FROM_AGENT) and msg.agent_name in self._setting_up
 
     def on_lost(self, endpoint: tuple[str, int], why: str) -> None:
         self._lost(endpoint, why, drop=True)  # the process is gone: drop its NIXL peer too
@@ -239,6 +264,8 @@ class PrefillControl(ControlLoop):
         )
 
     def on_registration(self, reg: PeerRegistration) -> None:
+        """Answer what needs no transport at once (a mismatch, the same registration
+        again); set a new decode up on the setup thread, finished in ``_finish_setups``."""
         ctx = self.ctx
         peers = ctx.peers
         endpoint = (reg.ip, reg.port)
@@ -246,12 +273,10 @@ class PrefillControl(ControlLoop):
         reason = describe_mismatch(ctx.compat, reg.compat, "prefill")
         if not reason and reg.compat_hash != ctx.compat_hash:
             reason = "compatibility hash differs although every field matches: upgrade both sides"
-        link, warm_ms, window, one_pass = None, None, None, ""
         with peers.lock:
             known = peers.accepted.get(reg.agent_name)
         if known is not None and known.reg == reg:
             # The same decode process registering again (its cache was reset): keep the link.
-            known.last_seen = time.monotonic()
             self._reply(
                 endpoint,
                 reg.agent_name,
@@ -268,61 +293,99 @@ class PrefillControl(ControlLoop):
                 f"{', '.join(ctx.page_bound_states)} state is indexed by pages: start both "
                 "servers with the same --page-size"
             )
-        if not reason:
-            try:
-                layout = ctx.head_layout
-                dst_heads = (
-                    decode_heads(
-                        layout,
-                        pages[0],
-                        ctx.kv_item_len,
-                        reg.kv[0].item_len if reg.kv else 0,
-                        reg.tp_size,
-                        pages[1],
-                    )
-                    if not ctx.is_mla
-                    else 0
+        if reason:
+            self._accept(reg, Setup(reason=reason))
+            return
+        self._setting_up[reg.agent_name] = endpoint
+        self.setup.submit(reg, lambda: self._set_up(reg, pages))
+
+    def _set_up(self, reg: PeerRegistration, pages: tuple[int, int]) -> Setup:
+        """On the setup thread: the decode's link, its warm-up WRITEs and (one pass) its
+        mapped pool. Reads the context, changes no table."""
+        ctx = self.ctx
+        try:
+            layout = ctx.head_layout
+            dst_heads = (
+                decode_heads(
+                    layout,
+                    pages[0],
+                    ctx.kv_item_len,
+                    reg.kv[0].item_len if reg.kv else 0,
+                    reg.tp_size,
+                    pages[1],
                 )
-                geometry = kv_geometry(
-                    is_mla=ctx.is_mla,
-                    # across page sizes the KV is addressed by token rows (one a "page")
-                    page_size=pages[0] if pages[0] == pages[1] else 1,
-                    head_bytes_=layout.head_bytes if layout else 0,
-                    src_heads=layout.heads if layout else 0,
-                    dst_heads=dst_heads,
-                    src_tp_rank=ctx.attn_tp_rank,
-                    dst_tp_rank=reg.tp_rank,
-                )
-                remote = remote_memory(reg.kv, reg.aux, reg.state, reg.host_kv, reg.host_state)
-                window = decode_kv_window(
-                    ctx.stage, DecodeStage(reg.pp_rank, reg.pp_size, len(reg.kv), reg.draft_entries)
-                )
-                remote = in_window(remote, window)
-                ctx.sglang.check_aux_count(reg.agent_name, len(reg.aux))
-                link = ctx.engine.link(
-                    reg.agent_metadata, remote, {"kv": geometry}, page_tokens=pages
-                )
-                warm_ms = self._warm(link, reg.agent_name, _remote_staging(reg), reg.scratch)
-                one_pass = attach_one_pass(
-                    settings=ctx.settings,
-                    link=link,
-                    reg=reg,
-                    remote=remote,
-                    copier=ctx.copier,
-                    stream=ctx.copy_stream,
-                    gpu=ctx.gpu,
-                    local_uuid=ctx.staging.device_uuid if ctx.staging is not None else "",
-                )
-                if ctx.staging is not None and not geometry.is_whole_items:
-                    ctx.warm_copier(geometry.unit_len, geometry.src_stride, geometry.src_offset)
-            except ValueError as exc:
-                reason = f"cannot serve decode rank {reg.tp_rank}/{reg.tp_size} layout: {exc}"
-            except TransferError as exc:
-                # A transport problem (e.g. NIXL could not reach the peer) is not a verdict
-                # on the layout: don't remember it, let the decode register again.
-                logger.error("sgl-nixl: could not connect decode %s: %s", reg.agent_name, exc)
-                self._reply(endpoint, reg.agent_name, f"NIXL could not connect: {exc}", retry=True)
-                return
+                if not ctx.is_mla
+                else 0
+            )
+            geometry = kv_geometry(
+                is_mla=ctx.is_mla,
+                # across page sizes the KV is addressed by token rows (one a "page")
+                page_size=pages[0] if pages[0] == pages[1] else 1,
+                head_bytes_=layout.head_bytes if layout else 0,
+                src_heads=layout.heads if layout else 0,
+                dst_heads=dst_heads,
+                src_tp_rank=ctx.attn_tp_rank,
+                dst_tp_rank=reg.tp_rank,
+            )
+            remote = remote_memory(reg.kv, reg.aux, reg.state, reg.host_kv, reg.host_state)
+            window = decode_kv_window(
+                ctx.stage, DecodeStage(reg.pp_rank, reg.pp_size, len(reg.kv), reg.draft_entries)
+            )
+            remote = in_window(remote, window)
+            ctx.sglang.check_aux_count(reg.agent_name, len(reg.aux))
+            link = ctx.engine.link(reg.agent_metadata, remote, {"kv": geometry}, page_tokens=pages)
+        except ValueError as exc:
+            return Setup(
+                reason=f"cannot serve decode rank {reg.tp_rank}/{reg.tp_size} layout: {exc}"
+            )
+        except TransferError as exc:
+            return Setup(unreachable=str(exc))
+        warm_ms = self._warm(link, reg.agent_name, _remote_staging(reg), reg.scratch)
+        one_pass = attach_one_pass(
+            settings=ctx.settings,
+            link=link,
+            reg=reg,
+            remote=remote,
+            copier=ctx.copier,
+            stream=ctx.copy_stream,
+            gpu=ctx.gpu,
+            local_uuid=ctx.staging.device_uuid if ctx.staging is not None else "",
+        )
+        if ctx.staging is not None and not geometry.is_whole_items:
+            ctx.warm_copier(geometry.unit_len, geometry.src_stride, geometry.src_offset)
+        return Setup(link=link, warm_ms=warm_ms, window=window, one_pass=one_pass)
+
+    def _finish_setups(self) -> None:
+        """Finish the registrations whose setup came back, then handle what their decodes
+        sent meanwhile, in arrival order."""
+        done = self.setup.finished()
+        if not done:
+            return
+        for reg, result in done:
+            self._setting_up.pop(reg.agent_name, None)
+            if isinstance(result, Exception):
+                logger.error("sgl-nixl: setting up decode %s failed: %r", reg.agent_name, result)
+                result = Setup(unreachable=f"setup failed: {result!r}")
+            self._accept(reg, result)
+        deferred, self._deferred = self._deferred, []
+        for decoded in deferred:
+            self._handle(decoded)  # still waiting (another decode's setup): deferred again
+
+    def _accept(self, reg: PeerRegistration, setup: Setup) -> None:
+        """Record the decode as accepted or refused, log it and reply (control thread)."""
+        ctx, peers = self.ctx, self.ctx.peers
+        endpoint = (reg.ip, reg.port)
+        if setup.unreachable:
+            # A transport problem (e.g. NIXL could not reach the peer) is not a verdict on
+            # the layout: don't remember it, let the decode register again.
+            logger.error(
+                "sgl-nixl: could not connect decode %s: %s", reg.agent_name, setup.unreachable
+            )
+            self._reply(
+                endpoint, reg.agent_name, f"NIXL could not connect: {setup.unreachable}", retry=True
+            )
+            return
+        reason, link = setup.reason, setup.link
         old_link = None
         with peers.lock:
             stale = [
@@ -339,7 +402,12 @@ class PrefillControl(ControlLoop):
                 previous = peers.accepted.pop(reg.agent_name, None)
                 old_link = previous.link if previous is not None else None
                 peers.accepted[reg.agent_name] = DecodePeer(
-                    reg.agent_name, link, reg, endpoint, staging=_remote_staging(reg), window=window
+                    reg.agent_name,
+                    link,
+                    reg,
+                    endpoint,
+                    staging=_remote_staging(reg),
+                    window=setup.window,
                 )
                 peers.refused.pop(reg.agent_name, None)
         if old_link is not None:
@@ -349,6 +417,7 @@ class PrefillControl(ControlLoop):
                 "sgl-nixl: refused decode %s at %s:%s: %s", reg.agent_name, *endpoint, reason
             )
         else:
+            pages = (ctx.compat.page_size, reg.compat.page_size) if ctx.compat else (0, 0)
             logger.info(
                 "sgl-nixl: decode %s (tp %d/%d) at %s:%s connected%s%s%s%s",
                 reg.agent_name,
@@ -359,14 +428,14 @@ class PrefillControl(ControlLoop):
                 f", pages of {pages[0]} tokens into pages of {pages[1]} (paired by token)"
                 if pages[0] != pages[1]
                 else "",
-                f", warm-up WRITE {warm_ms:.1f} ms" if warm_ms is not None else "",
-                one_pass,
+                f", warm-up WRITE {setup.warm_ms:.1f} ms" if setup.warm_ms is not None else "",
+                setup.one_pass,
             )
         self._reply(
             endpoint,
             reg.agent_name,
             reason,
-            window=window,
+            window=setup.window,
             one_pass=link.one_pass if not reason and link is not None else None,
         )
 
@@ -386,12 +455,11 @@ class PrefillControl(ControlLoop):
         engine, local = self.ctx.engine, self.ctx.staging
         bound = self.ctx.settings.warmup_timeout_s
         try:
-            idle = self._between_warm_polls
-            ms = engine.warm(link, bound, idle) * 1e3
+            ms = engine.warm(link, bound) * 1e3
             if local is not None and staging is not None:
-                ms += engine.warm_staging(link, local, staging, bound, idle) * 1e3
+                ms += engine.warm_staging(link, local, staging, bound) * 1e3
             if scratch is not None and scratch.mem_kind == "DRAM":
-                host_s = engine.warm_host(link, scratch.ptr, scratch.length, bound, idle)
+                host_s = engine.warm_host(link, scratch.ptr, scratch.length, bound)
                 self.ctx.host_warmups += host_s > 0
                 ms += host_s * 1e3
             self.ctx.warmups += 1
@@ -436,7 +504,6 @@ class PrefillControl(ControlLoop):
             if refused is None:
                 self._reply(target, req.agent_name, reason, retry=True)
             return
-        peer.last_seen = time.monotonic()
         kv = np.empty(0, np.int32) if kv is None else kv
         problem = None
         if not req.is_dummy:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -305,9 +304,7 @@ class TransferEngine:
                 notif=notif,
             )
 
-    def warm(
-        self, link: PeerLink, timeout_s: float = 1.0, idle: Callable[[], object] | None = None
-    ) -> float:
+    def warm(self, link: PeerLink, timeout_s: float = 1.0) -> float:
         """WRITE item 0 of every KV region into the peer's item 0, as many times as a
         request has descriptors (:data:`WARM_DESCRIPTORS`), and wait for it; seconds.
 
@@ -315,8 +312,7 @@ class TransferEngine:
         out pages from 1), so no request's data is touched. The first WRITEs to a new peer
         pay the transport's wire-up (UCX endpoints of every worker thread, remote keys,
         CUDA IPC handles): paid here, at registration, they stay off the first request.
-        ``idle`` runs between polls (the caller's own duties while it waits). Raises
-        ``TransferError``.
+        Raises ``TransferError``.
         """
         started = time.monotonic()
         zero = np.zeros(warm_items(link), dtype=np.int64)
@@ -326,7 +322,7 @@ class TransferEngine:
             raise TransferError(f"warm-up WRITE to {link.name}: {exc}") from exc
         if xfer is None:
             return 0.0
-        self._wait_warm(link, xfer, started + timeout_s, timeout_s, idle=idle)
+        self._wait_warm(link, xfer, started + timeout_s, timeout_s)
         return time.monotonic() - started
 
     def warm_staging(
@@ -335,7 +331,6 @@ class TransferEngine:
         local: StagingBuffer,
         remote: RemoteStaging,
         timeout_s: float = 1.0,
-        idle: Callable[[], object] | None = None,
     ) -> float:
         """WRITE from our staging buffer's spare tail into the peer's and wait; seconds (0
         when either has no spare). The staged path WRITEs between staging buffers, other
@@ -356,9 +351,7 @@ class TransferEngine:
             local_device=local.device,
             remote_device=remote.device,
         )
-        self._wait_warm(
-            link, xfer, started + timeout_s, timeout_s, "staging warm-up WRITE", idle=idle
-        )
+        self._wait_warm(link, xfer, started + timeout_s, timeout_s, "staging warm-up WRITE")
         return time.monotonic() - started
 
     def warm_host(
@@ -367,7 +360,6 @@ class TransferEngine:
         dst: int,
         dst_len: int,
         timeout_s: float = 1.0,
-        idle: Callable[[], object] | None = None,
     ) -> float:
         """WRITE the start of our first aux row into the peer's scratch buffer (``dst``,
         ``dst_len`` bytes of its host memory) and wait; seconds (0 when we have no host aux
@@ -394,7 +386,7 @@ class TransferEngine:
             )
         except TransferError as exc:
             raise TransferError(f"host warm-up WRITE to {link.name}: {exc}") from exc
-        self._wait_warm(link, xfer, started + timeout_s, timeout_s, "host warm-up WRITE", idle=idle)
+        self._wait_warm(link, xfer, started + timeout_s, timeout_s, "host warm-up WRITE")
         return time.monotonic() - started
 
     def _wait_warm(
@@ -404,11 +396,8 @@ class TransferEngine:
         deadline: float,
         timeout_s: float,
         what: str = "warm-up WRITE",
-        idle: Callable[[], object] | None = None,
     ) -> None:
         while xfer.state != "ERR" and self.poll(xfer) == "PROC" and time.monotonic() < deadline:
-            if idle is not None:
-                idle()
             time.sleep(0.0002)  # a poll interval: the transport's progress runs meanwhile
         if xfer.state != "DONE":
             why = xfer.error or f"still in flight after {timeout_s:.1f}s"

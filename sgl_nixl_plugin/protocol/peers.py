@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sgl_nixl_plugin.engine.engine import PeerLink
 from sgl_nixl_plugin.engine.staging import RemoteStaging
@@ -19,7 +18,6 @@ class DecodePeer:
     link: PeerLink
     reg: PeerRegistration
     endpoint: tuple[str, int]
-    last_seen: float = field(default_factory=time.monotonic)
     staging: RemoteStaging | None = None
     window: tuple[int, ...] | None = None  # its KV regions we write (a PP stage's); None: all
 

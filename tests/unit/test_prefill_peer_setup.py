@@ -1,0 +1,186 @@
+"""A decode's setup (link, warm-up WRITE, mapping) runs beside the prefill's control loop.
+
+On a loaded host a warm-up WRITE once took 18 s; on the control thread it kept every other
+decode waiting: pings unanswered (the decode then calls the prefill lost), registrations and
+requests of other decodes unfiled. The control loop below runs on its own thread over real
+ZMQ sockets with our codec; only the engine is a stand-in whose warm-up WRITE lasts until
+the test lets it end. What the setting-up decode sends meanwhile waits, in order.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from helpers.zmq_pair import loopback_pair
+
+from sgl_nixl_plugin.adapter.pipeline_stages import PrefillStage
+from sgl_nixl_plugin.adapter.prefill_control import PrefillControl
+from sgl_nixl_plugin.protocol.peers import DecodePeers
+from sgl_nixl_plugin.settings import Settings
+from sgl_nixl_plugin.wire.codec import Codec
+from sgl_nixl_plugin.wire.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Compat,
+    PeerRegistration,
+    Ping,
+    Pong,
+    RegistrationReply,
+)
+
+BOUND_S = 10.0  # how long anything here may take; the warm-up waits at most this long
+COMPAT = Compat(PROTOCOL_VERSION, "bf16", 16, 1, True)
+
+
+class HeldWarmEngine:
+    """``link`` returns a bare link; ``warm`` lasts until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.warming = threading.Event()
+        self.warmed = threading.Event()
+        self.warm_thread = ""
+
+    def link(self, metadata: bytes, remote: Any, groups: Any, page_tokens: Any) -> Any:
+        return types.SimpleNamespace(name=metadata.decode(), groups={}, one_pass=None)
+
+    def warm(self, link: Any, timeout_s: float = 1.0, *_: Any) -> float:
+        self.warm_thread = threading.current_thread().name
+        self.warming.set()
+        started = time.monotonic()
+        self.release.wait(3 * BOUND_S)  # past any wait of the test's
+        self.warmed.set()
+        return time.monotonic() - started
+
+
+def _registration(agent: str, port: int, compat: Compat = COMPAT) -> PeerRegistration:
+    return PeerRegistration(
+        compat=compat,
+        compat_hash="h",
+        agent_name=agent,
+        agent_metadata=agent.encode(),
+        ip="127.0.0.1",
+        port=port,
+        tp_rank=0,
+        tp_size=1,
+        kv=[],
+        aux=[],
+    )
+
+
+@pytest.fixture
+def prefill() -> Iterator[tuple[PrefillControl, Any, list[tuple[str, Any]], list[int]]]:
+    with loopback_pair() as (zctx, pull, push, port):
+        # the decodes' own control sockets: the prefill watches the ones it accepts
+        decode_socks = [zctx.socket(zmq.PULL) for _ in range(2)]
+        decode_ports = [s.bind_to_random_port("tcp://127.0.0.1") for s in decode_socks]
+        log: list[tuple[str, Any]] = []  # what the control loop did, in order
+        ctx = types.SimpleNamespace(
+            settings=replace(Settings(), warmup=True, warmup_timeout_s=BOUND_S),
+            zmq_ctx=zctx,
+            server_socket=pull,
+            codec=Codec(),
+            me=types.SimpleNamespace(name="prefill-0", ip="127.0.0.1", port=port, rank=0),
+            send=lambda endpoint, msg, *a: log.append(("send", msg)) or True,
+            reject=lambda reason, detail="", *a: log.append(("reject", f"{reason}: {detail}")),
+            compat=COMPAT,
+            compat_hash="h",
+            peers=DecodePeers(),
+            page_bound_states=(),
+            head_layout=None,
+            is_mla=True,
+            kv_item_len=0,
+            attn_tp_rank=0,
+            stage=PrefillStage(),
+            sglang=types.SimpleNamespace(
+                check_aux_count=lambda agent, n: None, rooms_with_destinations=lambda: []
+            ),
+            staging=None,
+            copier=None,
+            copy_stream=None,
+            gpu=0,
+            warmups=0,
+            host_warmups=0,
+            note_early_abort=lambda room, reason: log.append(("early_abort", room)) or False,
+            fail_rooms_of_peer=lambda agent, reason: None,
+            unlink=lambda link: None,
+        )
+        ctx.engine = HeldWarmEngine()
+        ctl = PrefillControl(ctx, wake=lambda room: None, recall=lambda room: None)
+        ctl.start()
+        try:
+            yield ctl, push, log, decode_ports
+        finally:
+            ctx.engine.release.set()
+            ctl.stop()
+            ctl.thread.join(BOUND_S)
+            if hasattr(ctl, "setup"):
+                ctl.setup.thread.join(BOUND_S)
+            for s in decode_socks:
+                s.close(0)
+
+
+def _until(log: list[tuple[str, Any]], what: str, pred: Any) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while not any(pred(m) for _, m in log) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert any(pred(m) for _, m in log), f"{what} within {BOUND_S:.0f}s: {log}"
+
+
+def test_the_loop_answers_others_while_a_decode_is_set_up_and_its_messages_wait(prefill):
+    ctl, push, log, (port_a, port_b) = prefill
+    codec, engine = ctl.ctx.codec, ctl.ctx.engine
+    push.send_multipart(codec.encode(_registration("decode-a", port_a)))
+    assert engine.warming.wait(BOUND_S), log
+    # while decode-a's warm-up WRITE is in flight: its abort waits, others are served
+    push.send_multipart(codec.encode(Abort(5, "127.0.0.1", port_a)))
+    push.send_multipart(codec.encode(Ping("decode-c", "127.0.0.1", 1, 41)))
+    mismatched = msgspec.structs.replace(COMPAT, kv_dtype="fp8_e4m3")
+    push.send_multipart(codec.encode(_registration("decode-b", port_b, mismatched)))
+    _until(log, "a pong during the setup", lambda m: isinstance(m, Pong) and m.seq == 41)
+    _until(log, "decode-b's refusal", lambda m: isinstance(m, RegistrationReply))
+    assert not engine.warmed.is_set() and engine.warm_thread == "sgl-nixl-prefill-setup"
+    (refusal,) = [m for _, m in log if isinstance(m, RegistrationReply)]
+    assert refusal.agent_name == "decode-b" and not refusal.accepted
+    assert "fp8_e4m3" in refusal.reason
+    assert not [m for k, m in log if k == "early_abort"], log  # decode-a's abort waits
+
+    engine.release.set()
+    _until(log, "decode-a's abort", lambda m: m == 5)
+    replies = [m for _, m in log if isinstance(m, RegistrationReply)]
+    assert [(r.agent_name, r.accepted) for r in replies] == [
+        ("decode-b", False),
+        ("decode-a", True),
+    ]
+    # decode-a's reply, then its abort: the order it sent them in
+    order = [m.agent_name if isinstance(m, RegistrationReply) else m for k, m in log]
+    assert order.index("decode-a") < order.index(5)
+    assert "decode-a" in ctl.ctx.peers.accepted and ctl.ctx.warmups == 1
+
+
+def test_a_registration_repeated_during_its_setup_is_answered_after_it(prefill):
+    ctl, push, log, (port_a, _) = prefill
+    codec, engine = ctl.ctx.codec, ctl.ctx.engine
+    push.send_multipart(codec.encode(_registration("decode-a", port_a)))
+    assert engine.warming.wait(BOUND_S), log
+    push.send_multipart(codec.encode(_registration("decode-a", port_a)))  # its retry
+    push.send_multipart(codec.encode(Ping("decode-c", "127.0.0.1", 1, 7)))
+    _until(log, "a pong", lambda m: isinstance(m, Pong))
+    assert not engine.warmed.is_set()
+    engine.release.set()
+    _until(
+        log,
+        "two replies",
+        lambda m: sum(isinstance(x, RegistrationReply) for _, x in log) == 2,
+    )
+    replies = [m for _, m in log if isinstance(m, RegistrationReply)]
+    assert all(r.agent_name == "decode-a" and r.accepted for r in replies)
+    assert ctl.setup.completed == 1  # the repeat kept the link: set up once
