@@ -673,6 +673,7 @@ def run_decode(
     ready: set[str] = set()
     resolved: set[str] = set()
     probed: dict[Any, float] = {}
+    found: dict[str, float] = {}  # when each prefill was first seen up (its handshake starts)
     dp_ranks: dict[int, int] = {}  # resolved for the next room, before its pages are taken
     prefill_dp: dict[int, int] = {}  # the prefill DP rank each room was received from
     held: dict[int, tuple[dict[str, Any], float]] = {}  # failed host rooms, pages kept
@@ -689,7 +690,12 @@ def run_decode(
                     if time.monotonic() - probed.get(addr, 0.0) < 0.05:
                         break
                     probed[addr] = time.monotonic()
-                    if not _prefill_registered(addr) or not mgr.try_ensure_parallel_info(addr):
+                    if not _prefill_registered(addr):
+                        break
+                    # a user's first request reaches this decode now, at the earliest: its
+                    # clock starts here, handshake included (``handshake_s``)
+                    found.setdefault(addr, time.perf_counter())
+                    if not mgr.try_ensure_parallel_info(addr):
                         break
                     resolved.add(addr)
                 # ours links and warms the path meanwhile: part of the time to ready
@@ -726,11 +732,14 @@ def run_decode(
                 receiver.send_metadata(pages, slot, state, destination=host_dst)
             else:
                 receiver.send_metadata(pages, slot, state)
+            # the first room to each prefill waited for the handshake before its clock
+            handshake = t0 - found.pop(addr) if addr in found else None
             active[r.room] = {
                 "req": r,
                 "receiver": receiver,
                 "pages": pages,
                 "slot": slot,
+                "handshake_s": handshake,
                 "t0": t0,
                 "wall0": time.time(),
                 "abort_at": None if r.abort_at_ms is None else t0 + r.abort_at_ms * 1e-3,
@@ -767,6 +776,8 @@ def run_decode(
                 "wall0": ctx["wall0"],
                 "wall1": time.time(),
             }
+            if ctx["handshake_s"] is not None:
+                res["handshake_s"] = ctx["handshake_s"]
             if status == KVPoll.Failed:
                 if ctx.get("aborted"):
                     res["aborted"] = True

@@ -86,6 +86,10 @@ def test_pd_two_prefill_instances_one_decode() -> None:
     res = run_pd(w, n_prefill=2)
     assert_clean(res)
     assert {k[0] for k, r in res.prefill.items() if r["results"]} == {0, 1}
+    # the first room to each prefill waited for its handshake, the bench's first-request
+    # clock counts it; no later room did
+    shakes = [r["handshake_s"] for r in res.decode_results().values() if "handshake_s" in r]
+    assert len(shakes) == 2 and all(s > 0 for s in shakes), shakes
 
 
 @pytest.mark.parametrize("slot_wait", ["5", "0.05", "0"])

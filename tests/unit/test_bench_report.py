@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from sgl_nixl_plugin.bench.report import summarize, table
 from sgl_nixl_plugin.bench.session import SessionConfig, SessionResult
 from sgl_nixl_plugin.bench.workload import PRESETS, Workload
@@ -63,3 +65,19 @@ def test_a_transfer_is_timed_from_when_both_sides_are_ready():
     rooms = SessionResult(SessionConfig(w), 30.0, prefill, decode, []).decode_results()
     assert round(rooms[1]["latency_s"], 6) == 0.1 and round(rooms[1]["prefill_late_s"], 6) == 0.5
     assert rooms[2]["latency_s"] == 0.03 and "prefill_late_s" not in rooms[2]
+
+
+def test_the_first_request_is_clocked_from_the_decodes_request_handshake_included():
+    """As a user sees it: a fresh pair's first request waits for the bootstrap query, the
+    registration, the link and the warm-up before its transfer; that wait counts."""
+    w = Workload(shape=PRESETS["tiny"], page_size=16, requests=3)
+    first = {**_room(1.0, 10.0), "handshake_s": 0.06}
+    rooms = {1: first, 2: _room(2.0, 10.0), 3: _room(3.0, 10.0)}
+    result = SessionResult(SessionConfig(w), 3.0, {}, {(0, 0): {"results": rooms}}, [])
+    s = summarize(result)
+    got = (s["first_request_ms"], s["handshake_ms"], s["steady_p50_ms"], s["first_vs_steady_p50"])
+    assert got == pytest.approx((70.0, 60.0, 10.0, 7.0))
+    assert (s["first_after_handshake_ms"], s["first_after_handshake_vs_steady_p50"]) == (10.0, 1.0)
+    text = table([s])
+    assert "70.0 / 10.0 ms (7.00x per byte)" in text
+    assert "of which handshake" in text and "60.0 ms (after it: 10.0 ms, 1.00x)" in text
