@@ -674,6 +674,7 @@ def run_decode(
     resolved: set[str] = set()
     probed: dict[Any, float] = {}
     found: dict[str, float] = {}  # when each prefill was first seen up (its handshake starts)
+    steps: dict[str, dict[str, float]] = {}  # when its parallel info came, when it was ready
     dp_ranks: dict[int, int] = {}  # resolved for the next room, before its pages are taken
     prefill_dp: dict[int, int] = {}  # the prefill DP rank each room was received from
     held: dict[int, tuple[dict[str, Any], float]] = {}  # failed host rooms, pages kept
@@ -698,11 +699,13 @@ def run_decode(
                     if not mgr.try_ensure_parallel_info(addr):
                         break
                     resolved.add(addr)
+                    steps[addr] = {"info": time.perf_counter()}
                 # ours links and warms the path meanwhile: part of the time to ready
                 warmed = getattr(mgr, "prefill_ready", None)
                 if warmed is not None and not warmed(addr):
                     break
                 ready.add(addr)
+                steps[addr]["ready"] = time.perf_counter()
             # the prefill DP rank that holds the room, as SGLang's decode resolves it (the
             # bootstrap is asked, at most every 20 ms, when the prefill does not follow rooms)
             dp_rank = dp_ranks.get(r.room)
@@ -733,13 +736,21 @@ def run_decode(
             else:
                 receiver.send_metadata(pages, slot, state)
             # the first room to each prefill waited for the handshake before its clock
-            handshake = t0 - found.pop(addr) if addr in found else None
+            handshake = parts = None
+            if addr in found:
+                t_found, t = found.pop(addr), steps.pop(addr, {})
+                handshake = t0 - t_found
+                info, up = t.get("info", t_found), t.get("ready", t0)
+                # SGLang's bootstrap query; our registration, link and warm-up (prefill_ready);
+                # the room's own route query and its receiver's start (SGLang's)
+                parts = {"info": info - t_found, "ready": up - info, "route": t0 - up}
             active[r.room] = {
                 "req": r,
                 "receiver": receiver,
                 "pages": pages,
                 "slot": slot,
                 "handshake_s": handshake,
+                "handshake_parts": parts,
                 "t0": t0,
                 "wall0": time.time(),
                 "abort_at": None if r.abort_at_ms is None else t0 + r.abort_at_ms * 1e-3,
@@ -778,6 +789,7 @@ def run_decode(
             }
             if ctx["handshake_s"] is not None:
                 res["handshake_s"] = ctx["handshake_s"]
+                res["handshake_parts"] = ctx["handshake_parts"]
             if status == KVPoll.Failed:
                 if ctx.get("aborted"):
                     res["aborted"] = True

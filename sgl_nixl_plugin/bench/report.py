@@ -32,6 +32,7 @@ def summarize(result: SessionResult) -> dict[str, Any]:
     steady = np.array([r["latency_s"] for r in later])
     steady_p50 = float(np.percentile(steady, 50) * 1e3) if len(steady) else 0.0
     handshake_s = first.get("handshake_s", 0.0) if first is not None else 0.0
+    parts = (first.get("handshake_parts") if first is not None else None) or {}
     after_ready_s = first["latency_s"] if first is not None else 0.0
     # requests differ in size: the ratios compare time per byte, first against steady p50
     per_byte = np.array([r["latency_s"] / r["bytes"] for r in later if r.get("bytes")])
@@ -57,6 +58,9 @@ def summarize(result: SessionResult) -> dict[str, Any]:
         "latency_p99_ms": float(np.percentile(lat, 99) * 1e3) if len(lat) else 0.0,
         "first_request_ms": (handshake_s + after_ready_s) * 1e3,
         "handshake_ms": handshake_s * 1e3,
+        # its steps: SGLang's bootstrap query (info), the backend's own set-up before the
+        # first request goes (ready: ours registers, links and warms up), the route query
+        "handshake_parts_ms": {k: v * 1e3 for k, v in parts.items()},
         "steady_p50_ms": steady_p50,
         "first_vs_steady_p50": vs_steady(handshake_s + after_ready_s),
         "first_after_handshake_ms": after_ready_s * 1e3,
@@ -94,7 +98,9 @@ ROWS = [
     (
         "  of which handshake",
         lambda s: (
-            f"{s['handshake_ms']:.1f} ms (after it: {s['first_after_handshake_ms']:.1f} ms, "
+            f"{s['handshake_ms']:.1f} ms"
+            + "".join(f" {k} {v:.1f}" for k, v in s["handshake_parts_ms"].items())
+            + f" (after it: {s['first_after_handshake_ms']:.1f} ms, "
             f"{s['first_after_handshake_vs_steady_p50']:.2f}x)"
         ),
     ),

@@ -124,8 +124,9 @@ class SessionResult:
                         if k in r:
                             prev[k] = prev.get(k, 0) + r[k]
                     prev["latency_s"] = max(prev.get("latency_s", 0), r.get("latency_s", 0))
-                    if "handshake_s" in r:
-                        prev["handshake_s"] = max(prev.get("handshake_s", 0), r["handshake_s"])
+                    if r.get("handshake_s", 0) > prev.get("handshake_s", 0):
+                        prev["handshake_s"] = r["handshake_s"]
+                        prev["handshake_parts"] = r.get("handshake_parts")
                     prev["reason"] = prev.get("reason") or r.get("reason")
         # The clock of a transfer starts once both sides are ready: the decode's request sent
         # and the prefill's first send() (its "forward pass", here filling the pages, may end
