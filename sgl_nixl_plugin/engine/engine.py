@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 #: request cold (measured: a threaded UCX backend still paid 1.1-1.4x the steady time per
 #: byte on it); one of 1,024 descriptors or more did not (0.99-1.21x).
 WARM_DESCRIPTORS = 1024
-#: ... within this many bytes (large pages: fewer items), so that a slow link (TCP) keeps
-#: the prefill's control thread busy for tens of milliseconds at most.
+#: ... within this many bytes (large pages: fewer items): a first request sent meanwhile
+#: waits for it (66 ms for 32 MiB over DRAM on a loaded 2-core host, most of the decode's
+#: 138 ms from the prefill's parallel info to ``prefill_ready``).
 WARM_MAX_BYTES = 32 << 20
 #: Bytes of the host buffer a decode registers for warm-up WRITEs only (``warm_host``).
 SCRATCH_BYTES = 4096
