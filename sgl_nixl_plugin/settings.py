@@ -256,7 +256,7 @@ class Settings:
     slot_wait_s: float = 2.0  # a chunk waits this long for a receiver slot, then goes direct
     map_indices: bool = True  # prefill GPU gathers read page indices from pinned host memory
     warmup: bool = True  # a WRITE into the decode's padding page when it registers
-    warmup_timeout_s: float = 1.0  # the prefill's control thread waits this long for it
+    warmup_timeout_s: float = 1.0  # the prefill's setup thread waits this long for it
     log_level: str = ""  # the plugin's loggers; "": whatever SGLang's --log-level set
     switch_interval_us: float = 0.0  # 0: leave Python's GIL switch interval as it is
 

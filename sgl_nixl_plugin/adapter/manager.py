@@ -153,8 +153,12 @@ class NixlPluginKVManager(CommonKVManager):
             self.register_to_bootstrap()
         announce()
         metrics.prepare()
+        staging = self.side.ctx.staging  # a prefill's buffer, or a decode's scatter side
+        buffer = getattr(staging, "buffer", staging)
+        held = buffer.nbytes if buffer is not None else 0
         logger.info(
-            "sgl-nixl: %s manager ready (agent %s, %s KV, %d regions%s, control %s:%s)",
+            "sgl-nixl: %s manager ready (agent %s, %s KV, %d regions%s, control %s:%s); "
+            "the plugin holds %d MiB of %s memory for staging",
             disaggregation_mode.value,
             self.engine.name,
             self.kv_mem_kind,
@@ -162,6 +166,8 @@ class NixlPluginKVManager(CommonKVManager):
             "" if memory.host_kv is None else f", with a host pool of {len(memory.host_kv)}",
             self.local_ip,
             self.rank_port,
+            held >> 20,
+            "GPU" if self.kv_mem_kind == "VRAM" else "host",
         )
 
     # -- composition ----------------------------------------------------------------------

@@ -406,6 +406,27 @@ def check_memory_kinds(ctx: DoctorContext) -> list[CheckResult]:
     return [CheckResult("memory kinds", "ok", "; ".join(parts))]
 
 
+def check_staging_memory(ctx: DoctorContext) -> list[CheckResult]:
+    """How much memory the plugin holds on each rank for its staging buffer, per memory
+    kind of the KV pool (SGLang sized its pools before: it comes out of the headroom)."""
+    cfg = settings.Settings.from_env()
+    held = {kind: settings.staging_sizes(cfg, kind)[0] for kind in ("VRAM", "DRAM")}
+    ctx.facts["staging_bytes"] = held
+    if not any(held.values()):
+        return [CheckResult("staging memory", "ok", "none: staging is off on every rank")]
+    detail = (
+        f"{_gib(held['VRAM'])} of GPU memory on each rank with its KV pool on a GPU, "
+        f"{_gib(held['DRAM'])} of host memory with a host KV pool; taken at start-up on "
+        "every prefill and decode rank, after SGLang sized its KV pool "
+        "(SGLANG_NIXL_PLUGIN_STAGING_BYTES sets it; 0: none, scattered pages go direct)"
+    )
+    return [CheckResult("staging memory", "ok", detail)]
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+
+
 #: Environment variables that carry the shared secret (see ``settings.read_secret``).
 SECRET_ENV = "SGLANG_NIXL_PLUGIN_SECRET"
 SECRET_FILE_ENV = "SGLANG_NIXL_PLUGIN_SECRET_FILE"
@@ -524,6 +545,7 @@ CHECKS: list[Check] = [
     check_nixl,
     check_cuda,
     check_memory_kinds,
+    check_staging_memory,
     check_exposure,
 ]
 

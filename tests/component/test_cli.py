@@ -177,3 +177,30 @@ def test_discovery_applies_sglang_plugins_rule(
     assert (results[0].status == "ok") is discoverable
     if not discoverable:
         assert "SGLANG_PLUGINS" in results[0].detail
+
+
+@pytest.mark.parametrize(
+    ("env", "vram", "dram"),
+    [
+        ({}, "2.00 GiB", "128 MiB"),
+        ({"SGLANG_NIXL_PLUGIN_STAGING_BYTES": str(512 << 20)}, "512 MiB", "512 MiB"),
+    ],
+)
+def test_doctor_says_how_much_memory_staging_holds_per_rank(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], vram: str, dram: str
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    (row,) = doctor.check_staging_memory(doctor.DoctorContext())
+    assert row.status == "ok"
+    assert row.detail.startswith(f"{vram} of GPU memory on each rank"), row.detail
+    assert f"{dram} of host memory" in row.detail
+    assert doctor.check_staging_memory in doctor.CHECKS
+
+
+def test_doctor_says_when_staging_holds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_NIXL_PLUGIN_STAGING_BYTES", "0")
+    ctx = doctor.DoctorContext()
+    (row,) = doctor.check_staging_memory(ctx)
+    assert (row.status, row.detail) == ("ok", "none: staging is off on every rank")
+    assert ctx.facts["staging_bytes"] == {"VRAM": 0, "DRAM": 0}

@@ -294,6 +294,10 @@ def _log_problems(stack: PDStack, sent: int) -> list[str]:
                 problems.append(
                     f"{role} log: 'sgl-nixl: {role} manager ready' {ready} times, expected {tp}"
                 )
+            # each names the memory the plugin took for staging (a host pool here: DRAM)
+            held = _count(log, "MiB of host memory for staging")
+            if held != tp:
+                problems.append(f"{role} log: the staging memory held named {held} times, not {tp}")
             startup = f"sgl-nixl-plugin {__version__} serving: registered transfer backend(s): nixl"
             if _count(log, startup) != tp:  # once per scheduler process
                 problems.append(
