@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 
 #: Wake-up periods: while a room awaits data or an ABORT_ACK; while only a warm-up awaits its
 #: replies (its WRITE's wire-up needs this side's progress for each of a few rounds, and a
-#: user's first request waits for it: at 20 ms a round the decode's handshake took 108-184
-#: ms on a loaded 2-core host, at 1 ms 45-58 ms); idle, which bounds how late an ended
+#: user's first request waits for it: at 20 ms a round the decode's handshake took 96-122
+#: ms on a loaded 2-core host, at 1 ms 29-62 ms); idle, which bounds how late an ended
 #: room's stray WRITE drains (10 wake-ups a second).
 BUSY_POLL_MS = 1
 WARMUP_POLL_MS = 1
