@@ -46,6 +46,9 @@ PREFILL_DEATH_S = 2.0
 DECODE_DEATH_S = 5.0
 
 
+KVPOLL_FAILED, KVPOLL_SUCCESS = 0, 4  # SGLang's KVPoll values
+
+
 def _first_chunk(r: Request) -> int:
     return first_chunk_pages(r, PAGE)
 
@@ -131,6 +134,11 @@ def test_prefill_killed_mid_transfer_fails_its_rooms_fast(tmp_path: Path) -> Non
         to1 = make_requests(8, 13, tokens=(48, 128), chunks=2)
         _hold(p0, d, to0, addr0)
         _hold(p1, d, to1, addr1)
+        # what the chaos checker reports of a room without an outcome: a held room's state
+        held = d.call("room", room=to0[0].room)
+        assert held["sglang_status"] not in (KVPOLL_SUCCESS, KVPOLL_FAILED), held
+        assert held["harness"]["aux_landed"] is False and not held["harness"]["aborted"], held
+        assert [tuple(e) for e in held["record"]["sent_to"]] == [dead], held
         poll_until(lambda: d.call("state")["watched"], lambda w: w.get(dead) is True, 10)
         # Held past the ping deadline, the rooms live on: both sides answer pings.
         _stays_held(p0, d, _rooms(to0), SHORT_PING_DEADLINE_S + 1)

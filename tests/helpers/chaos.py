@@ -570,6 +570,16 @@ class Chaos:
         v.latency = dict(lat)
         return v
 
+    def _room_state(self, q: Req, name: str) -> str:
+        """What a live decode knows of a room it never ended (evidence for the report)."""
+        if not name.startswith("decode") or not self._is_live(name):
+            return ""
+        try:
+            state = self.cluster.ranks[name].call("room", room=q.room, timeout=10)
+        except Exception as exc:
+            return f"; its state could not be read: {exc!r}"
+        return f"; on {name}: {state}"
+
     def _in_flight(self, q: Req, f: Fault, t_end: float) -> bool:
         """Whether ``f`` happened while ``q`` was in flight. A cut lasts until the path is
         proven good again: TCP retransmits after a restore with its backed-off timer, so
@@ -618,7 +628,9 @@ class Chaos:
                     f"killed {killed - q.t0:.1f}s after the request (hung): {q}"
                 )
                 return "hung"
-            v.problems.append(f"room {q.room}: no outcome on {name} (hung): {q}")
+            v.problems.append(
+                f"room {q.room}: no outcome on {name} (hung): {q}{self._room_state(q, name)}"
+            )
             return "hung"
         t_end = ev["t"]
         hits = [

@@ -1025,6 +1025,32 @@ class _DecodeRank(_Rank):
     def do_soak(self, plan: SoakPlan) -> dict[str, Any]:
         return soak_decode(self, plan)
 
+    def do_room(self, room: int) -> dict[str, Any]:
+        """What this decode knows of ``room`` (for a checker that found it without an
+        outcome): SGLang's status, this harness's view, and the plugin's record."""
+        mgr, ctx = self.mgr, self.active.get(room)
+        rec = mgr.decode.rooms.get(room)
+        now = time.perf_counter()
+        return {
+            "sglang_status": mgr.request_status.get(room),
+            "failure": mgr.failure_records.get(room),
+            "harness": None
+            if ctx is None
+            else {
+                "slot": ctx.slot,
+                "aborted": ctx.aborted,
+                "aux_landed": _aux_landed(self.pools, ctx.slot),
+                "polled_status": int(ctx.receiver.poll()),
+            },
+            "record": None
+            if rec is None
+            else {
+                "staged": rec.staged,
+                "sent_to": sorted(rec.sent_to),
+                "steps_ms_ago": {k: round((now - t) * 1e3, 1) for k, t in rec.times.items()},
+            },
+        }
+
     # -- the scheduler loop ----------------------------------------------------------------
     def _snap(self, ctx: _DRoom) -> list[np.ndarray]:
         p = self.pools
