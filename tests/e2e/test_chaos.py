@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.chaos import Chaos, ChaosConfig
-from helpers.faults import FAULT_ENV, make_requests, netns_pair, netns_unavailable
+from helpers.chaos import Chaos, ChaosConfig, Req
+from helpers.faults import FAULT_ENV, RankProc, make_requests, netns_pair, netns_unavailable
 from helpers.subproc import TIMEOUT_SCALE
 
 from sgl_nixl_plugin import settings
@@ -159,3 +159,28 @@ def test_chaos_hold_released_before_its_sender_started_still_ends(tmp_path: Path
     assert all(ev["ok"] for ev in pre.values()), pre
     for ev in dec.values():
         assert ev["ok"] and not any(ev.get(k) for k in ("bad_pages", "bad_aux", "bad_state")), ev
+
+
+def test_a_restarted_ranks_first_outcome_reaches_the_checker() -> None:
+    """The checker reads each rank's events by index; the restart path then waited for
+    the rank's "ready", which removed that event from the list: the rank's next event (a
+    restarted decode's first outcome) was skipped, and its room judged hung although it
+    ended (seeds 1054186596 and 406708097 in gate runs). No processes: the event list of
+    a restarted decode as the checker and the restart path handle it."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    p = object.__new__(RankProc)
+    p.name, p.spec, p.conn = "decode0.g1", SimpleNamespace(role="decode"), None
+    p._events = [{"kind": "ready", "pid": 1, "ip": "127.0.0.1", "port": 1}]
+    chaos = object.__new__(Chaos)
+    room = 7
+    chaos.seen, chaos.problems = defaultdict(int), []
+    chaos.open = defaultdict(set, {p.name: {room}})
+    chaos.reqs = {room: Req(room, "prefill.g0", p.name, 0.0)}
+    chaos._take(p)  # the checker's pump saw "ready"
+    p.wait_ready(1)  # then the restart path takes the rank as ready
+    p._events.append({"kind": "done", "room": room, "ok": True, "t": 1.0})
+    chaos._take(p)
+    assert chaos.reqs[room].dec is not None and chaos.reqs[room].dec["ok"]
+    assert room not in chaos.open[p.name] and not chaos.problems
