@@ -85,6 +85,10 @@ VARS: tuple[Var, ...] = (
     _v("STAGING_BYTES", "int", -1, "user",
        "staging buffer bytes; 0 turns staging off, -1: by memory kind", field="staging_bytes"),
     # tuning: not a stable interface
+    _v("PREFILLS", "str", "", "tuning",
+       "a decode registers at start-up with these prefills (their bootstrap host:port, "
+       "comma-separated), so a user's first request does not wait for the link and "
+       "warm-up; others are still learned from requests", field="prefills"),
     _v("STAGING_PIECE_BYTES", "int", -1, "tuning",
        "bytes of one staging slot (-1: by memory kind)", field="staging_piece_bytes"),
     _v("WORKERS", "int", 2, "tuning", "prefill transfer worker threads",
@@ -244,6 +248,7 @@ class Settings:
     nixl_threads: int = 8
     progress_thread: bool = False
     transfer_path: str = "auto"
+    prefills: str = ""  # bootstrap host:port list a decode registers with at start-up
     cuda_ipc: bool = True  # a decode exports its KV pool for one-pass transfers
     done_flags: bool = True  # one-pass rooms end through a flag in the decode's /dev/shm
     staging_bytes: int = -1  # -1: by memory kind (see ``staging_sizes``); 0: staging off
@@ -264,6 +269,24 @@ class Settings:
     def from_env(cls) -> Settings:
         fields = {var.field: value(var.name) for var in VARS if var.field}
         return cls(secret=read_secret(), **fields)
+
+
+def prefill_addrs(text: str) -> tuple[str, ...]:
+    """``SGLANG_NIXL_PLUGIN_PREFILLS`` as bootstrap addresses, ``host:port`` each (as
+    SGLang's requests name them); ValueError naming the entry that is not one."""
+    out: list[str] = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        host, sep, port = entry.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"{PREFIX}PREFILLS: {entry!r} is not host:port (a prefill's bootstrap "
+                "address, e.g. 10.0.0.5:8998; several are comma-separated)"
+            )
+        if entry not in out:
+            out.append(entry)
+    return tuple(out)
 
 
 #: Default staging buffer and slot sizes per memory kind: on GPUs 2 GiB in 256 MiB slots (a

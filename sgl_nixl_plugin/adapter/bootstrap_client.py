@@ -72,6 +72,28 @@ def post_dp_rank(server: str, room: int, dp_rank: int, secret: bytes | None) -> 
     return True
 
 
+#: SGLang's query for a prefill's parallel info: it answers once every prefill rank is up.
+ALL_RANKS = "prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+
+
+def prefill_up(server: str, secret: bytes | None, timeout_s: float = 1.0) -> bool:
+    """Whether the bootstrap at ``server`` has every prefill rank; quiet (SGLang's own
+    query logs an ERROR each time a prefill is not up yet)."""
+    path = f"/route?{ALL_RANKS}"
+    try:
+        r = requests.get(
+            f"http://{server}{path}", headers=sign(secret, "GET", path), timeout=timeout_s
+        )
+    except requests.RequestException:
+        return False
+    return r.status_code == 200
+
+
+def route_query(dp: int, cp: int, tp: int, pp: int) -> str:
+    """The query naming one prefill rank (the warm-up's and the receivers' alike)."""
+    return f"prefill_dp_rank={dp}&prefill_cp_rank={cp}&target_tp_rank={tp}&target_pp_rank={pp}"
+
+
 def get_route(server: str, query: str, secret: bytes | None) -> dict[str, Any] | None:
     """A prefill rank's address (GET /route?...), or None (logged)."""
     path = f"/route?{query}"

@@ -85,6 +85,7 @@ class PrefillContext(SideBase):
     gpu: int = 0  # this rank's CUDA device (VRAM KV)
     fallbacks: int = 0  # staged chunks sent direct: no receiver slot in time
     warmups: int = 0  # decodes whose padding page took the first WRITE at registration
+    light_warmups: int = 0  # of which one item only: their first request was waiting
     host_warmups: int = 0  # decodes whose scratch buffer took a host-to-host WRITE then
     warmed_shapes: set[tuple[int, int, int]] = field(default_factory=set)
 

@@ -14,6 +14,7 @@ from sgl_nixl_plugin.adapter.context import DecodeContext
 from sgl_nixl_plugin.adapter.decode import DecodeListener
 from sgl_nixl_plugin.adapter.decode_policy import DecodePolicy
 from sgl_nixl_plugin.adapter.decode_staging import SUCCESS, DecodeStaging
+from sgl_nixl_plugin.adapter.decode_warmup import StartupRegistration
 from sgl_nixl_plugin.wire.messages import StagingArea
 
 Endpoint = tuple[str, int]
@@ -26,6 +27,7 @@ class DecodeSide:
         self.ctx = ctx
         self.policy = DecodePolicy(ctx)
         self.listener = DecodeListener(self.policy)
+        self.startup: StartupRegistration | None = None
 
     @property
     def rooms(self) -> Any:
@@ -39,6 +41,11 @@ class DecodeSide:
         if self.ctx.staging is not None:
             self.ctx.staging.start()
         self.listener.start()
+
+    def register_at_start(self, startup: StartupRegistration) -> None:
+        """Register with the prefills an operator named, in a thread of its own."""
+        self.startup = startup
+        startup.start()
 
     def staging_area(self) -> StagingArea | None:
         return self.ctx.staging.area() if self.ctx.staging is not None else None
@@ -126,11 +133,15 @@ class DecodeSide:
 
     def threads(self) -> list[threading.Thread]:
         out = [self.listener.thread]
+        if self.startup is not None:
+            out.append(self.startup.thread)
         if self.ctx.staging is not None:
             out += [self.ctx.staging.thread, self.ctx.staging.completer]
         return out
 
     def stop(self) -> None:
+        if self.startup is not None:
+            self.startup.stop()
         self.listener.stop()
         if self.ctx.staging is not None:
             self.ctx.staging.stop()
@@ -145,6 +156,7 @@ class DecodeSide:
         out.update({f"count.staging.{k}": v for k, v in asdict(self.ctx.rooms.counters).items()})
         if self.ctx.warmup is not None:
             out["count.warmed_prefills"] = self.ctx.warmup.warmed()
+            out["count.warmup_routes_reused"] = self.ctx.warmup.routes_reused
         if self.ctx.flags is not None:
             out["decode.flag_words"] = self.ctx.flags.in_use
             out["count.flag_hits"] = self.ctx.flag_hits

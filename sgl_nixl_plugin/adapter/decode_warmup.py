@@ -6,8 +6,12 @@ registers with every rank it will talk to as soon as SGLang has the prefill's pa
 (``try_ensure_parallel_info``), in a thread of its own; each prefill rank links, WRITEs the
 decode's padding page (``TransferEngine.warm``) and replies. When SGLang's own registration
 follows, the prefill finds the same registration and only replies. ``ready(addr)`` says when
-every rank has replied, which a caller that can wait (the bench) uses to keep the wire-up
-apart from its first request.
+every rank has replied. The routes the warm-up asked for are kept for the first receiver of
+each (``take_route``), which SGLang would otherwise ask the bootstrap for again.
+
+``StartupRegistration`` starts the warm-up of the prefills named in
+``SGLANG_NIXL_PLUGIN_PREFILLS`` when the decode starts (as soon as each is up), so that a
+static fleet's first user request finds the pair linked and warmed.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class _Warming:
     waiting: set[Endpoint] = field(default_factory=set)
     linked: set[Endpoint] = field(default_factory=set)  # accepted this decode
     done_at: float | None = None
+    routes: dict[str, dict[str, Any]] = field(default_factory=dict)  # query -> route, unused
     stale: bool = False  # a rank was lost, restarted or refused: warm again on next start
 
 
@@ -56,6 +61,7 @@ class DecodeWarmup:
         self._secret = secret
         self._lock = threading.Lock()
         self._by_addr: dict[str, _Warming] = {}
+        self.routes_reused = 0  # first receivers that took the warm-up's route
 
     def start(self, addr: str) -> bool:
         """Warm ``addr`` once (again after ``forget``): a daemon thread asks its routes.
@@ -69,6 +75,18 @@ class DecodeWarmup:
             target=self._run, args=(addr,), name="sgl-nixl-warmup", daemon=True
         ).start()
         return True
+
+    def take_route(self, addr: str, query: str) -> dict[str, Any] | None:
+        """The route the warm-up got for ``query`` at ``addr``, once (a copy), or None: the
+        first receiver to a prefill need not ask the bootstrap again; later ones use
+        SGLang's own cache. None once the warm-up went stale (a rank was lost)."""
+        with self._lock:
+            w = self._by_addr.get(addr)
+            if w is None or w.stale:
+                return None
+            route = w.routes.pop(query, None)
+            self.routes_reused += route is not None
+        return dict(route) if route is not None else None
 
     def ready(self, addr: str) -> bool:
         """Every rank of ``addr`` replied to the warm-up registration (or it was given up)."""
@@ -136,8 +154,9 @@ class DecodeWarmup:
                     w.done_at = w.done_at or now
 
     def _run(self, addr: str) -> None:
+        routes: dict[str, dict[str, Any]] = {}
         try:
-            endpoints = self._endpoints(addr)
+            endpoints = self._endpoints(addr, routes)
         except Exception as exc:  # a warm-up must never take the decode down
             logger.debug("sgl-nixl: warm-up of prefill %s: %s", addr, exc)
             endpoints = None
@@ -148,14 +167,15 @@ class DecodeWarmup:
             if not endpoints:
                 w.done_at = time.monotonic()  # nothing to wait for: requests register
                 return
-            w.endpoints, w.waiting = frozenset(endpoints), set(endpoints)
+            w.endpoints, w.waiting, w.routes = frozenset(endpoints), set(endpoints), routes
         frames = self._registration()
         for ep in sorted(endpoints):
             if not self._send(ep, frames):
                 self.replied(ep, False)  # logged by the transport; the requests try again
 
-    def _endpoints(self, addr: str) -> set[Endpoint] | None:
-        """The prefill ranks this decode's requests to ``addr`` can go to."""
+    def _endpoints(self, addr: str, routes: dict[str, dict[str, Any]]) -> set[Endpoint] | None:
+        """The prefill ranks this decode's requests to ``addr`` can go to; each route
+        answered is put in ``routes`` under its query."""
         info = self._info(addr)
         if info is None:
             return None
@@ -170,12 +190,79 @@ class DecodeWarmup:
             for cp in cps:
                 for tp in tps:
                     for pp in pps:
-                        query = (
-                            f"prefill_dp_rank={dp}&prefill_cp_rank={cp}"
-                            f"&target_tp_rank={tp}&target_pp_rank={pp}"
-                        )
+                        query = bootstrap_client.route_query(dp, cp, tp, pp)
                         route = bootstrap_client.get_route(addr, query, self._secret)
                         if route is None:
                             return None
+                        routes[query] = route
                         out.add((str(route["rank_ip"]), int(route["rank_port"])))
         return out
+
+
+#: Seconds between looks at a named prefill that is not up yet, at first and at most.
+PROBE_FIRST_S = 0.05
+PROBE_MAX_S = 2.0
+
+
+class StartupRegistration:
+    """Registers a decode with the prefills named at start-up, each once it is up.
+
+    ``up(addr)`` is a quiet look at the prefill's bootstrap; ``ensure(addr)`` is SGLang's
+    ``try_ensure_parallel_info`` through our manager, which starts that prefill's warm-up.
+    A prefill SGLang refuses (its checks raise: page size, KV dtype, layout) is logged and
+    left to the requests, which fail with SGLang's reason. One daemon thread; ``stop``
+    ends it within one probe interval.
+    """
+
+    def __init__(
+        self, addrs: tuple[str, ...], up: Callable[[str], bool], ensure: Callable[[str], bool]
+    ) -> None:
+        self.addrs = addrs
+        self._up, self._ensure = up, ensure
+        self._stop = threading.Event()
+        self.registered: list[str] = []
+        self.refused: dict[str, str] = {}
+        self.thread = threading.Thread(target=self._run, name="sgl-nixl-startup", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        todo, delay = list(self.addrs), PROBE_FIRST_S
+        started = time.monotonic()
+        while todo and not self._stop.is_set():
+            for addr in list(todo):
+                outcome = self._try(addr)
+                if outcome is not None:
+                    todo.remove(addr)
+                    if outcome:
+                        self.registered.append(addr)
+                        logger.info(
+                            "sgl-nixl: prefill %s (named in SGLANG_NIXL_PLUGIN_PREFILLS) is up "
+                            "%.1f s after start: registering with its ranks",
+                            addr,
+                            time.monotonic() - started,
+                        )
+            if todo:
+                self._stop.wait(delay)
+                delay = min(delay * 2, PROBE_MAX_S)
+
+    def _try(self, addr: str) -> bool | None:
+        """True: registering; False: refused (logged); None: not up yet."""
+        try:
+            if not self._up(addr) or not self._ensure(addr):
+                return None
+        except Exception as exc:  # SGLang's checks of the prefill's parallel info
+            self.refused[addr] = str(exc)
+            logger.error(
+                "sgl-nixl: prefill %s (named in SGLANG_NIXL_PLUGIN_PREFILLS) does not match "
+                "this decode: %s; its requests will fail the same way until both servers "
+                "agree",
+                addr,
+                exc,
+            )
+            return False
+        return True

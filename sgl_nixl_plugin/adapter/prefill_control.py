@@ -60,6 +60,7 @@ class Setup:
 
     link: PeerLink | None = None
     warm_ms: float | None = None
+    warm_light: bool = False  # one item: the decode's first request was already waiting
     window: tuple[int, ...] | None = None
     one_pass: str = ""
     reason: str = ""
@@ -93,6 +94,9 @@ class PrefillControl(ControlLoop):
         # decodes being set up (agent -> control endpoint), and their messages read
         # meanwhile: handled in arrival order once their registration is finished
         self._setting_up: dict[str, tuple[str, int]] = {}
+        # decodes being set up whose first request already waits: a warm-up would only
+        # delay it (``_warm``); written by the control thread, read by the setup thread
+        self._request_waits: set[str] = set()
         self._deferred: list[Any] = []
         self.setup = SetupThread("sgl-nixl-prefill-setup", self.interrupt)
 
@@ -116,6 +120,8 @@ class PrefillControl(ControlLoop):
     def _handle(self, decoded: Any) -> None:
         if self._waits_for_setup(decoded.msg):
             self._deferred.append(decoded)
+            if isinstance(decoded.msg, TransferRequest):
+                self._request_waits.add(decoded.msg.agent_name)  # read by the setup thread
             return
         try:
             self._dispatch(decoded.msg, decoded.kv, decoded.state)
@@ -340,7 +346,8 @@ class PrefillControl(ControlLoop):
             )
         except TransferError as exc:
             return Setup(unreachable=str(exc))
-        warm_ms = self._warm(link, reg.agent_name, _remote_staging(reg), reg.scratch)
+        light = reg.agent_name in self._request_waits
+        warm_ms = self._warm(link, reg.agent_name, _remote_staging(reg), reg.scratch, light)
         one_pass = attach_one_pass(
             settings=ctx.settings,
             link=link,
@@ -353,7 +360,7 @@ class PrefillControl(ControlLoop):
         )
         if ctx.staging is not None and not geometry.is_whole_items:
             ctx.warm_copier(geometry.unit_len, geometry.src_stride, geometry.src_offset)
-        return Setup(link=link, warm_ms=warm_ms, window=window, one_pass=one_pass)
+        return Setup(link=link, warm_ms=warm_ms, warm_light=light, window=window, one_pass=one_pass)
 
     def _finish_setups(self) -> None:
         """Finish the registrations whose setup came back, then handle what their decodes
@@ -363,6 +370,7 @@ class PrefillControl(ControlLoop):
             return
         for reg, result in done:
             self._setting_up.pop(reg.agent_name, None)
+            self._request_waits.discard(reg.agent_name)
             if isinstance(result, Exception):
                 logger.error("sgl-nixl: setting up decode %s failed: %r", reg.agent_name, result)
                 result = Setup(unreachable=f"setup failed: {result!r}")
@@ -428,7 +436,10 @@ class PrefillControl(ControlLoop):
                 f", pages of {pages[0]} tokens into pages of {pages[1]} (paired by token)"
                 if pages[0] != pages[1]
                 else "",
-                f", warm-up WRITE {setup.warm_ms:.1f} ms" if setup.warm_ms is not None else "",
+                f", warm-up WRITE {setup.warm_ms:.1f} ms"
+                f"{' (one item: a request was waiting)' if setup.warm_light else ''}"
+                if setup.warm_ms is not None
+                else "",
                 setup.one_pass,
             )
         self._reply(
@@ -445,17 +456,22 @@ class PrefillControl(ControlLoop):
         agent: str,
         staging: RemoteStaging | None,
         scratch: Region | None,
+        light: bool = False,
     ) -> float | None:
         """The first WRITEs to a new decode, into its padding page, (staged path) its
         staging buffer's spare tail and (host aux rows) its scratch buffer, before the
-        reply: the decode waits for the reply before its first request where it can (see
-        ``DecodeWarmup``). A failure is logged, not a refusal: the requests then report it."""
+        reply. A decode that registered ahead of its requests (at start-up, or the warm-up
+        thread winning the race) gets a request-sized KV WRITE, which takes the transport's
+        wire-up off its first request; one whose first request already waits gets one item:
+        that request would wait for the whole warm-up and then pay little less itself.
+        A failure is logged, not a refusal: the requests then report it."""
         if not self.ctx.settings.warmup:
             return None
         engine, local = self.ctx.engine, self.ctx.staging
         bound = self.ctx.settings.warmup_timeout_s
+        self.ctx.light_warmups += light
         try:
-            ms = engine.warm(link, bound) * 1e3
+            ms = engine.warm(link, bound, items=1 if light else None) * 1e3
             if local is not None and staging is not None:
                 ms += engine.warm_staging(link, local, staging, bound) * 1e3
             if scratch is not None and scratch.mem_kind == "DRAM":

@@ -85,12 +85,16 @@ class NixlPluginKVReceiver(CommonKVReceiver):
     def _get_bootstrap_info_from_server(
         self, prefill_dp_rank: int, prefill_cp_rank: int, target_tp_rank: int, target_pp_rank: int
     ) -> dict | None:
-        info = bootstrap_client.get_route(
-            self.bootstrap_addr,
-            f"prefill_dp_rank={prefill_dp_rank}&prefill_cp_rank={prefill_cp_rank}"
-            f"&target_tp_rank={target_tp_rank}&target_pp_rank={target_pp_rank}",
-            self.kv_mgr.settings.secret,
+        """The warm-up's answer for this rank if it is still unused, else the bootstrap's."""
+        query = bootstrap_client.route_query(
+            prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank
         )
+        warmup = self.kv_mgr.decode.ctx.warmup
+        info = warmup.take_route(self.bootstrap_addr, query) if warmup is not None else None
+        if info is None:
+            info = bootstrap_client.get_route(
+                self.bootstrap_addr, query, self.kv_mgr.settings.secret
+            )
         if info is not None:
             info["pp_rank"] = int(target_pp_rank)
         return info

@@ -60,6 +60,9 @@ class RankSpec:
     pp_rank: int = 0
     pp_port: int = 0  # a PP prefill's gloo rendezvous (its instance's ranks), on 127.0.0.1
     dp_size: int = 1  # attention DP groups of this rank's server (DP attention when > 1)
+    # decode: registers with its prefills at start-up (SGLANG_NIXL_PLUGIN_PREFILLS), and
+    # sends its first request to each once that is done
+    preconnect: bool = False
 
     @property
     def rank(self) -> int:
@@ -637,6 +640,13 @@ def _prefill_registered(addr: str) -> bool:
         return False
 
 
+def _started_up(mgr: Any, addr: str) -> bool:
+    """The decode's start-up registration with ``addr`` is done (always, for a backend
+    without one): ``SGLANG_NIXL_PLUGIN_PREFILLS`` named it."""
+    ready = getattr(mgr, "prefill_ready", None)
+    return ready is None or bool(ready(addr))
+
+
 def run_decode(
     spec: RankSpec, env: dict[str, Any], progress: Any = None, before_close: Any = None
 ) -> dict[str, Any]:
@@ -693,19 +703,19 @@ def run_decode(
                     probed[addr] = time.monotonic()
                     if not _prefill_registered(addr):
                         break
+                    if spec.preconnect and not _started_up(mgr, addr):
+                        break
                     # a user's first request reaches this decode now, at the earliest: its
-                    # clock starts here, handshake included (``handshake_s``)
+                    # clock starts here, handshake included (``handshake_s``); a decode that
+                    # registered at start-up is taken to have been up a while by then
                     found.setdefault(addr, time.perf_counter())
                     if not mgr.try_ensure_parallel_info(addr):
                         break
                     resolved.add(addr)
                     steps[addr] = {"info": time.perf_counter()}
-                # ours links and warms the path meanwhile: part of the time to ready
-                warmed = getattr(mgr, "prefill_ready", None)
-                if warmed is not None and not warmed(addr):
-                    break
+                # as SGLang's decode scheduler, the request goes on at once: a backend's own
+                # set-up of the pair (ours: registration, link, warm-up) is in its transfer
                 ready.add(addr)
-                steps[addr]["ready"] = time.perf_counter()
             # the prefill DP rank that holds the room, as SGLang's decode resolves it (the
             # bootstrap is asked, at most every 20 ms, when the prefill does not follow rooms)
             dp_rank = dp_ranks.get(r.room)
@@ -740,10 +750,10 @@ def run_decode(
             if addr in found:
                 t_found, t = found.pop(addr), steps.pop(addr, {})
                 handshake = t0 - t_found
-                info, up = t.get("info", t_found), t.get("ready", t0)
-                # SGLang's bootstrap query; our registration, link and warm-up (prefill_ready);
-                # the room's own route query and its receiver's start (SGLang's)
-                parts = {"info": info - t_found, "ready": up - info, "route": t0 - up}
+                info = t.get("info", t_found)
+                # SGLang's bootstrap query; the room's route query and its receiver's start
+                # (SGLang's; ours registers there)
+                parts = {"info": info - t_found, "route": t0 - info}
             active[r.room] = {
                 "req": r,
                 "receiver": receiver,

@@ -71,6 +71,9 @@ class SessionConfig:
     # of tp / N ranks each; 1: none
     prefill_dp: int = 1
     decode_dp: int = 1
+    # the decodes name the prefills at start-up (SGLANG_NIXL_PLUGIN_PREFILLS), as a static
+    # fleet can: the first request of each goes once that registration is done
+    preconnect: bool = False
 
     def __post_init__(self) -> None:
         for role, tp, dp, pp in (
@@ -184,10 +187,12 @@ def _specs(cfg: SessionConfig) -> tuple[list[RankSpec], list[str]]:
         )  # fmt: skip
         ranks[0] = replace(ranks[0], serve_bootstrap=not cfg.separate_bootstrap)
         specs += ranks
+    if cfg.preconnect:
+        common["env"] = {**env, "SGLANG_NIXL_PLUGIN_PREFILLS": ",".join(addrs)}
     for i in range(cfg.n_decode):
         specs += _server_ranks(
-            "decode", i, cfg.decode_tp, cfg.decode_pp, cfg.decode_dp,
-            bootstrap_port=0, prefill_addrs=addrs, gpu_id=cfg.decode_gpu, **common,
+            "decode", i, cfg.decode_tp, cfg.decode_pp, cfg.decode_dp, bootstrap_port=0,
+            prefill_addrs=addrs, gpu_id=cfg.decode_gpu, preconnect=cfg.preconnect, **common,
         )  # fmt: skip
     return specs, addrs
 

@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--mem", choices=["DRAM", "VRAM"], default="DRAM")
     d.add_argument("--prefill-gpu", type=int, default=0)
     d.add_argument("--decode-gpu", type=int, default=0)
+    d.add_argument(
+        "--preconnect",
+        action="store_true",
+        help="decodes name their prefills at start-up (SGLANG_NIXL_PLUGIN_PREFILLS) and send "
+        "each its first request once that registration is done, as to a server up a while",
+    )
     d.add_argument("--compare", choices=["in-tree"], help="also run SGLang's in-tree nixl backend")
     d.add_argument("--timeout", type=float, default=600.0, help="session deadline in seconds")
     d.add_argument("--no-verify", action="store_true", help="skip the byte-by-byte check")
@@ -282,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_gpu=args.decode_gpu,
         timeout_s=args.timeout,
         verify=not args.no_verify,
+        preconnect=args.preconnect,
     )
     summaries = [summarize(_run(cfg, args.quiet))]
     if args.compare:
@@ -302,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             else ""
         )
         + f"{args.mem}"
+        + (", decodes registered at start-up" if args.preconnect else "")
     )
     if args.json:
         print(json.dumps({"workload": header, "results": summaries}, indent=2))

@@ -92,6 +92,24 @@ def test_pd_two_prefill_instances_one_decode() -> None:
     assert len(shakes) == 2 and all(s > 0 for s in shakes), shakes
 
 
+@pytest.mark.timeout(180)
+def test_a_decode_that_names_its_prefills_registers_before_its_first_request() -> None:
+    """``SGLANG_NIXL_PLUGIN_PREFILLS``: the decode registers with both prefills at start-up,
+    each takes a whole warm-up WRITE (no request waited for it), and the first receiver to
+    each found its route in what the start-up registration asked for."""
+    w = workload("tiny", 16, requests=8)
+    res = run_pd(w, n_prefill=2, preconnect=True)
+    assert_clean(res)
+    (decode,) = [r["tables"] for r in res.decode.values()]
+    assert decode.get("count.warmed_prefills") == 2
+    assert decode.get("count.warmup_routes_reused") == 2
+    prefill = [
+        (r["tables"].get("count.warmups"), r["tables"].get("count.light_warmups"))
+        for r in res.prefill.values()
+    ]
+    assert prefill == [(1, 0), (1, 0)]
+
+
 @pytest.mark.parametrize("slot_wait", ["5", "0.05", "0"])
 def test_pd_rooms_wait_for_receiver_staging_slots(slot_wait: str) -> None:
     """The decode's staging holds one room's slots: the other rooms ask and are granted

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 from helpers.waiting import poll_until
 
-from sgl_nixl_plugin.adapter import decode_warmup
-from sgl_nixl_plugin.adapter.decode_warmup import DecodeWarmup
+from sgl_nixl_plugin.adapter import bootstrap_client, decode_warmup
+from sgl_nixl_plugin.adapter.decode_warmup import DecodeWarmup, StartupRegistration
+from sgl_nixl_plugin.settings import prefill_addrs
 
 ADDR = "127.0.0.1:8998"
 
@@ -144,3 +145,91 @@ def test_a_decode_knows_the_warm_links_besides_sglangs_routes():
     assert policy.known_endpoints() == warm
     ctx.warmup = None
     assert policy.known_endpoints() == routes
+
+
+def test_the_first_receiver_takes_the_warm_up_route_once_and_none_once_stale(monkeypatch):
+    """SGLang's first receiver to a prefill asks the bootstrap for the same route the
+    warm-up asked for a moment before: it takes that answer (once; later receivers use
+    SGLang's cache), never one from a warm-up whose rank was lost since."""
+    h = Harness(monkeypatch, _info([0, 1]))
+    h.start(expected=2)
+    q0, q1 = (bootstrap_client.route_query(0, 0, tp, 0) for tp in (0, 1))
+    got = h.warmup.take_route(ADDR, q0)
+    assert got == {"rank_ip": "127.0.0.1", "rank_port": 9000}
+    got["pp_rank"] = 0  # the receiver's copy is its own
+    assert h.warmup.take_route(ADDR, q0) is None
+    assert h.warmup.take_route("127.0.0.1:1", q1) is None  # another prefill
+    h.warmup.forget(("127.0.0.1", 9001))
+    assert h.warmup.take_route(ADDR, q1) is None
+    assert h.warmup.routes_reused == 1
+
+
+class Prefills:
+    """Named prefills that come up when a test says; ``ensure`` as SGLang's, which raises
+    on a prefill whose parallel info does not match."""
+
+    def __init__(self) -> None:
+        self.up: set[str] = set()
+        self.mismatched: set[str] = set()
+        self.ensured: list[str] = []
+        self.looked = threading.Semaphore(0)
+
+    def is_up(self, addr: str) -> bool:
+        self.looked.release()
+        return addr in self.up
+
+    def ensure(self, addr: str) -> bool:
+        if addr in self.mismatched:
+            raise RuntimeError("Page size mismatch: prefill server has page_size=1")
+        self.ensured.append(addr)
+        return True
+
+
+def test_a_decode_registers_at_start_with_each_named_prefill_once_it_is_up(caplog):
+    p = Prefills()
+    a, b, bad = "127.0.0.1:1001", "127.0.0.1:1002", "127.0.0.1:1003"
+    p.up, p.mismatched = {a, bad}, {bad}
+    startup = StartupRegistration((a, b, bad), p.is_up, p.ensure)
+    startup.start()
+    try:
+        poll_until(lambda: startup.registered == [a], timeout=10, what="a registered")
+        for _ in range(3):  # b is looked at again while it is down
+            assert p.looked.acquire(timeout=10)
+        assert p.ensured == [a] and startup.registered == [a]
+        p.up.add(b)
+        poll_until(lambda: startup.registered == [a, b], timeout=10, what="b once up")
+        assert list(startup.refused) == [bad] and "page_size=1" in startup.refused[bad]
+        assert any(bad in r.message and "does not match" in r.message for r in caplog.records)
+        startup.thread.join(10)  # nothing left to do: the thread ends
+        assert not startup.thread.is_alive() and p.ensured == [a, b]
+    finally:
+        startup.stop()
+
+
+def test_a_start_up_registration_stops_while_its_prefill_is_down():
+    p = Prefills()
+    startup = StartupRegistration(("127.0.0.1:1001",), p.is_up, p.ensure)
+    startup.start()
+    assert p.looked.acquire(timeout=10)
+    startup.stop()
+    startup.thread.join(decode_warmup.PROBE_MAX_S + 5)
+    assert not startup.thread.is_alive() and startup.registered == []
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("", ()),
+        ("10.0.0.5:8998", ("10.0.0.5:8998",)),
+        (" a:1, b:2 ,a:1,", ("a:1", "b:2")),
+        ("[::1]:8998", ("[::1]:8998",)),
+    ],
+)
+def test_the_named_prefills_are_host_port_pairs(text, want):
+    assert prefill_addrs(text) == want
+
+
+@pytest.mark.parametrize("bad", ["10.0.0.5", "10.0.0.5:", ":8998", "h:99999", "h:x"])
+def test_a_named_prefill_that_is_not_host_port_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match=r"SGLANG_NIXL_PLUGIN_PREFILLS: .* is not host:port"):
+        prefill_addrs(f"a:1,{bad}")

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from helpers.waiting import poll_until
 from helpers.zmq_pair import loopback_pair
 
 from sgl_nixl_plugin.adapter.pipeline_stages import PrefillStage
@@ -34,6 +35,7 @@ from sgl_nixl_plugin.wire.messages import (
     Ping,
     Pong,
     RegistrationReply,
+    TransferRequest,
 )
 
 BOUND_S = 10.0  # how long anything here may take; the warm-up waits at most this long
@@ -48,12 +50,19 @@ class HeldWarmEngine:
         self.warming = threading.Event()
         self.warmed = threading.Event()
         self.warm_thread = ""
+        self.warm_items: list[int | None] = []  # None: the request-sized warm-up
+        self.linking = threading.Event()
+        self.link_release = threading.Event()
+        self.link_release.set()  # a test clears it to hold the link
 
     def link(self, metadata: bytes, remote: Any, groups: Any, page_tokens: Any) -> Any:
+        self.linking.set()
+        self.link_release.wait(3 * BOUND_S)
         return types.SimpleNamespace(name=metadata.decode(), groups={}, one_pass=None)
 
-    def warm(self, link: Any, timeout_s: float = 1.0, *_: Any) -> float:
+    def warm(self, link: Any, timeout_s: float = 1.0, items: int | None = None) -> float:
         self.warm_thread = threading.current_thread().name
+        self.warm_items.append(items)
         self.warming.set()
         started = time.monotonic()
         self.release.wait(3 * BOUND_S)  # past any wait of the test's
@@ -109,6 +118,7 @@ def prefill() -> Iterator[tuple[PrefillControl, Any, list[tuple[str, Any]], list
             gpu=0,
             warmups=0,
             host_warmups=0,
+            light_warmups=0,
             note_early_abort=lambda room, reason: log.append(("early_abort", room)) or False,
             fail_rooms_of_peer=lambda agent, reason: None,
             unlink=lambda link: None,
@@ -184,3 +194,27 @@ def test_a_registration_repeated_during_its_setup_is_answered_after_it(prefill):
     replies = [m for _, m in log if isinstance(m, RegistrationReply)]
     assert all(r.agent_name == "decode-a" and r.accepted for r in replies)
     assert ctl.setup.completed == 1  # the repeat kept the link: set up once
+
+
+@pytest.mark.parametrize("request_waits", [True, False])
+def test_a_decode_whose_first_request_waits_gets_a_one_item_warm_up(prefill, request_waits):
+    """A request-sized warm-up WRITE (32 MiB on DRAM: a whole request's time) only delays a
+    request that already waits for the setup; a decode registered ahead of its requests
+    (at start-up) gets the whole one."""
+    ctl, push, log, (port_a, _) = prefill
+    codec, engine = ctl.ctx.codec, ctl.ctx.engine
+    engine.link_release.clear()
+    engine.release.set()
+    push.send_multipart(codec.encode(_registration("decode-a", port_a)))
+    assert engine.linking.wait(BOUND_S), log
+    if request_waits:
+        req = TransferRequest(7, "decode-a", "127.0.0.1", port_a, -1, 1, is_dummy=True)
+        push.send_multipart(codec.encode(req))
+        poll_until(lambda: "decode-a" in ctl._request_waits, timeout=BOUND_S, interval=0.002)
+    push.send_multipart(codec.encode(Ping("decode-c", "127.0.0.1", 1, 3)))
+    _until(log, "a pong while linking", lambda m: isinstance(m, Pong))
+    engine.link_release.set()
+    _until(log, "decode-a's reply", lambda m: isinstance(m, RegistrationReply))
+    assert engine.warm_items == ([1] if request_waits else [None])
+    assert (ctl.ctx.warmups, ctl.ctx.light_warmups) == (1, int(request_waits))
+    assert not ctl._request_waits  # forgotten once the setup is done
