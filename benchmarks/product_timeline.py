@@ -259,7 +259,7 @@ def _install(role: str, poll_wait_us: float, bell: bool) -> None:
 
         for name in ("prepare_units", "prepare_bases", "pair_copy", "release_units"):
             _patch(TritonCopier, name, before=stamp(f"{name}0"), after=stamp(f"{name}1"))
-        from sgl_nixl_plugin.engine.copy_triton import _FastLaunch
+        from sgl_nixl_plugin.engine.copy_triton_fast_launch import _FastLaunch
 
         def fast_taken(self: Any, out: Any, kind: str, *a: Any, **kw: Any) -> None:
             if kind == "pair":  # rows "fast pair launch: taken" / "not taken" count the rooms

@@ -21,7 +21,8 @@ implementations share one protocol (``Copier``):
 Importing this module imports neither torch nor triton (SGLang imports our entry point in
 every process); the VRAM copiers import them when built. The implementations are split by
 memory: ``copy_common`` (checks, alignment), ``copy_numpy``, ``copy_device`` (GPU-side
-indices and bases), ``copy_triton``, ``copy_torch``; this module chooses among them.
+indices and bases), ``copy_triton`` (over ``copy_triton_kernels`` and
+``copy_triton_fast_launch``), ``copy_torch``; this module chooses among them.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-# The implementations live in copy_common / copy_numpy / copy_device / copy_triton /
-# copy_torch; this module is the entry point and re-exports what callers and tests use.
+# The implementations live in copy_common / copy_numpy / copy_device / copy_triton (over
+# copy_triton_kernels and copy_triton_fast_launch) / copy_torch; this module is the entry
+# point and re-exports what callers and tests use.
 from sgl_nixl_plugin.engine.copy_common import (  # noqa: F401  (re-exported)
     CopierUnavailable,
     _alignment,
@@ -45,11 +47,11 @@ from sgl_nixl_plugin.engine.copy_device import (  # noqa: F401  (re-exported)
 )
 from sgl_nixl_plugin.engine.copy_numpy import NumpyCopier, host_view  # noqa: F401
 from sgl_nixl_plugin.engine.copy_torch import TorchCopier  # noqa: F401
-from sgl_nixl_plugin.engine.copy_triton import (  # noqa: F401  (re-exported)
+from sgl_nixl_plugin.engine.copy_triton import TritonCopier  # noqa: F401  (re-exported)
+from sgl_nixl_plugin.engine.copy_triton_kernels import (  # noqa: F401  (re-exported)
     MAX_BLOCK_WORDS,
     NUM_WARPS,
     TILE_BYTES,
-    TritonCopier,
     launch_unit_copy,
     tile_shape,
 )

@@ -296,17 +296,29 @@ class StagedSend:
 
     def step(self) -> list[tuple[Piece, int]]:
         """Advance; returns ``(piece, remote_slot)`` for every piece that has landed."""
-        landed: list[tuple[Piece, int]] = []
         # 1. completions (also after an error, so in-flight WRITEs drain and free slots)
+        landed = self._settle_writes()
+        if self.error:
+            self.abandon()  # nothing more is posted: give back gathered pieces' slots
+            return landed
+        if self.done_pieces == len(self.pieces):
+            self._release_units()
+        # 2. post WRITEs for gathered pieces that have a receiver slot
+        self._post_writes()
+        if self.error:  # a WRITE could not be posted: everything was abandoned
+            return landed
+        # 3. gather the next piece into a free local slot (bounded by the buffer:
+        # backpressure). One per call, after posting: a launch costs ~0.1 ms of host time,
+        # which must not delay the WRITE of a piece that is ready
+        self._gather_next()
+        return landed
+
+    def _settle_writes(self) -> list[tuple[Piece, int]]:
+        """Poll the WRITEs in flight, releasing the settled ones' slots; the pieces that
+        landed (none once an error is set)."""
         if self.error and self._writing:
-            self._error_at = self._error_at or time.monotonic()
-            if time.monotonic() - self._error_at > self.drain_timeout_s:
-                for f in self._writing:  # their peer is gone: they will never settle
-                    self.agent.abandon(f.xfer)
-                    self.local.release([f.local_slot])
-                # given up counts as ended: the caller's in-flight count must come back
-                self.settled += len(self._writing)
-                self._writing = []
+            self._give_up_after_drain_timeout()
+        landed: list[tuple[Piece, int]] = []
         still = []
         for f in self._writing:
             state = self.agent.poll(f.xfer)
@@ -326,12 +338,24 @@ class StagedSend:
             landed.append((f.piece, f.remote_slot))
             self._note(f.piece, "write done")
         self._writing = still
-        if self.error:
-            self.abandon()  # nothing more is posted: give back gathered pieces' slots
-            return landed
-        if self.done_pieces == len(self.pieces):
-            self._release_units()
-        # 2. post WRITEs for gathered pieces that have a receiver slot
+        return landed
+
+    def _give_up_after_drain_timeout(self) -> None:
+        """After an error, WRITEs still in flight past ``drain_timeout_s`` are abandoned:
+        their peer is gone and they will never settle."""
+        self._error_at = self._error_at or time.monotonic()
+        if time.monotonic() - self._error_at <= self.drain_timeout_s:
+            return
+        for f in self._writing:
+            self.agent.abandon(f.xfer)
+            self.local.release([f.local_slot])
+        # given up counts as ended: the caller's in-flight count must come back
+        self.settled += len(self._writing)
+        self._writing = []
+
+    def _post_writes(self) -> None:
+        """Post a WRITE for each gathered piece whose gather has run, while the receiver
+        has slots; a WRITE that cannot be posted sets ``error`` and abandons the rest."""
         while self._gathered and self.remote_free:
             f = self._gathered[0]
             if f.event is not None and not f.event.query():
@@ -355,45 +379,43 @@ class StagedSend:
                 self.remote_free.appendleft(f.remote_slot)
                 self.error = str(exc)
                 self.abandon()
-                return landed
+                return
             self._writing.append(f)
             self.posted += 1
             self._note(f.piece, "write posted")
-        # 3. gather the next piece into a free local slot (bounded by the buffer:
-        # backpressure). One per call, after posting: a launch costs ~0.1 ms of host time,
-        # which must not delay the WRITE of a piece that is ready
-        if self._may_gather():
-            slots = self.local.acquire(1)
-        else:
-            slots = []
-        if slots:
-            piece = self.pieces[self._next]
-            self._next += 1
-            g = self.geometry
-            if self._units_dev is None:
-                self._note(piece, "first gather")
-                self._units_dev = self.copier.prepare_units(self.units, self.stream)
-                self._note(piece, "units ready")
-                self._bases_dev = self.copier.prepare_bases(self.src_bases, self.stream)
-                self._note(piece, "indices ready")
-            self.copier.gather(
-                self._bases_dev[piece.r0 : piece.r1],
-                self._units_dev[piece.j0 : piece.j1],
-                piece.unit_len,
-                g.src_stride or piece.unit_len,
-                g.src_offset,
-                self.local.addr(slots[0]),
-                self.stream,
-            )
-            f = _InFlight(piece, slots[0], -1)
-            if self.stream is not None:
-                import torch
 
-                f.event = torch.cuda.Event()
-                f.event.record(self.stream)
-            self._gathered.append(f)
-            self._note(piece, "gather launched")
-        return landed
+    def _gather_next(self) -> None:
+        """Launch the gather of the next piece if the sender may run ahead and a local
+        slot is free (the buffer bounds it: backpressure)."""
+        slots = self.local.acquire(1) if self._may_gather() else []
+        if not slots:
+            return
+        piece = self.pieces[self._next]
+        self._next += 1
+        g = self.geometry
+        if self._units_dev is None:
+            self._note(piece, "first gather")
+            self._units_dev = self.copier.prepare_units(self.units, self.stream)
+            self._note(piece, "units ready")
+            self._bases_dev = self.copier.prepare_bases(self.src_bases, self.stream)
+            self._note(piece, "indices ready")
+        self.copier.gather(
+            self._bases_dev[piece.r0 : piece.r1],
+            self._units_dev[piece.j0 : piece.j1],
+            piece.unit_len,
+            g.src_stride or piece.unit_len,
+            g.src_offset,
+            self.local.addr(slots[0]),
+            self.stream,
+        )
+        f = _InFlight(piece, slots[0], -1)
+        if self.stream is not None:
+            import torch
+
+            f.event = torch.cuda.Event()
+            f.event.record(self.stream)
+        self._gathered.append(f)
+        self._note(piece, "gather launched")
 
     def _note(self, piece: Piece, step: str) -> None:
         if self.trace is not None:

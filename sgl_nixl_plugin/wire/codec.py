@@ -258,30 +258,48 @@ class Codec:
             return None
         if env.version != PROTOCOL_VERSION:
             return self._foreign_contact(frames, header, env.version, peer)
-        body_frames = list(frames[2:])
-        if self.secret is not None:
-            if not env.signed or not body_frames:
-                reject("unauthenticated", "a shared secret is configured here", peer)
-                return None
-            mac = bytes(_frame_bytes(body_frames.pop()))
-            if len(mac) != MAC_LEN or not hmac.compare_digest(mac, self._mac(frames[:-1])):
-                reject("bad_mac", "", peer)
-                return None
-            now = time.time()
-            if not abs(now - env.sent_at) <= self.max_skew_s:  # NaN is stale too
-                reject("stale", f"sent {now - env.sent_at:.0f}s ago", peer)
-                return None
-            if not self.replays.first_time(mac, now):
-                reject("replayed", f"a copy of a {type(env.body).__name__} already accepted", peer)
-                return None
-        elif env.signed:
-            reject("unexpected_signature", "peer has a shared secret, this side has none", peer)
+        body_frames = self._authentic_body(env, frames, peer)
+        if body_frames is None:
             return None
-        specs = env.body.indices if isinstance(env.body, TransferRequest) else []
+        return self._with_indices(env.body, body_frames, peer)
+
+    def _authentic_body(self, env: Envelope, frames: Sequence[Any], peer: str) -> list[Any] | None:
+        """The frames after the header, less the MAC, if the message is as authentic as
+        this side demands: with a shared secret, signed, its MAC right, fresh and never
+        seen before; without one, unsigned. None (rejected) otherwise."""
+        reject = self.rejections.reject
+        body_frames = list(frames[2:])
+        if self.secret is None:
+            if env.signed:
+                reject("unexpected_signature", "peer has a shared secret, this side has none", peer)
+                return None
+            return body_frames
+        if not env.signed or not body_frames:
+            reject("unauthenticated", "a shared secret is configured here", peer)
+            return None
+        mac = bytes(_frame_bytes(body_frames.pop()))
+        if len(mac) != MAC_LEN or not hmac.compare_digest(mac, self._mac(frames[:-1])):
+            reject("bad_mac", "", peer)
+            return None
+        now = time.time()
+        if not abs(now - env.sent_at) <= self.max_skew_s:  # NaN is stale too
+            reject("stale", f"sent {now - env.sent_at:.0f}s ago", peer)
+            return None
+        if not self.replays.first_time(mac, now):
+            reject("replayed", f"a copy of a {type(env.body).__name__} already accepted", peer)
+            return None
+        return body_frames
+
+    def _with_indices(self, body: Any, body_frames: list[Any], peer: str) -> Decoded | None:
+        """``body`` with its index frames as read-only int32 arrays, if they match the
+        specs a ``TransferRequest`` declares (other messages carry none). None (rejected)
+        otherwise."""
+        reject = self.rejections.reject
+        specs = body.indices if isinstance(body, TransferRequest) else []
         if len(specs) != len(body_frames) or len(specs) > MAX_INDEX_FRAMES:
             reject("frame_count", f"{len(body_frames)} index frames for {len(specs)} specs", peer)
             return None
-        out = Decoded(env.body)
+        out = Decoded(body)
         for spec, frame in zip(specs, body_frames, strict=True):
             view = _frame_bytes(frame)
             if spec.count > MAX_INDEX_COUNT or len(view) != spec.count * INDEX_DTYPE.itemsize:

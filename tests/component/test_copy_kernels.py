@@ -335,7 +335,7 @@ _INTERPRETER_CHECK = textwrap.dedent(
             assert np.array_equal(got, exp), ("scatter", unit_len, stride, offset)
 
     # the one-pass kernel: source unit su[j] of region r -> destination unit du[j] of region r
-    from sgl_nixl_plugin.engine.copy_triton import launch_pair_copy
+    from sgl_nixl_plugin.engine.copy_triton_kernels import launch_pair_copy
 
     def pair_reference(srcs, dsts, su, du, unit_len, s_stride, s_off, d_stride, d_off):
         out = [d.copy() for d in dsts]
@@ -406,7 +406,7 @@ def test_triton_kernel_index_math_in_the_interpreter(tmp_path: Path) -> None:
 
 def test_pair_copy_refuses_misaligned_or_mismatched_arguments() -> None:
     """Checked before Triton is touched: 2-byte alignment, region counts that differ."""
-    from sgl_nixl_plugin.engine.copy_triton import launch_pair_copy
+    from sgl_nixl_plugin.engine.copy_triton_kernels import launch_pair_copy
 
     b2, b3 = np.zeros(2, np.int64), np.zeros(3, np.int64)
     u = np.zeros(4, np.int64)

@@ -34,7 +34,7 @@ from test_hostile import (
 )
 
 from sgl_nixl_plugin.bench.session import SessionConfig
-from sgl_nixl_plugin.cli import doctor
+from sgl_nixl_plugin.cli import doctor, doctor_exposure
 from sgl_nixl_plugin.wire import codec as codec_mod
 from sgl_nixl_plugin.wire import http_auth
 from sgl_nixl_plugin.wire.codec import Codec
@@ -381,9 +381,9 @@ def test_exposure_check_in_process(
     monkeypatch.delenv("SGLANG_HOST_IP")
     # Without SGLang, the address comes from this machine's sockets.
     monkeypatch.setitem(sys.modules, "sglang.srt.utils.network", None)
-    host, source = doctor.listen_host()
+    host, source = doctor_exposure.listen_host()
     assert source == "auto-detected from this machine's sockets"
-    assert host is None or host == doctor._socket_local_ip()
+    assert host is None or host == doctor_exposure._socket_local_ip()
     # The warning does not change the exit code.
     monkeypatch.setenv("SGLANG_HOST_IP", "203.0.113.5")
     assert doctor.main(as_json=True, checks=[doctor.check_exposure]) == 0
