@@ -24,6 +24,7 @@ from sgl_nixl_plugin.adapter.context import DecodeContext, Identity, PrefillCont
 from sgl_nixl_plugin.adapter.decode_side import DecodeSide
 from sgl_nixl_plugin.adapter.decode_staging import DecodeStaging, SlotMessenger
 from sgl_nixl_plugin.adapter.decode_warmup import DecodeWarmup
+from sgl_nixl_plugin.adapter.hooks import announce
 from sgl_nixl_plugin.adapter.memory import (
     compat_of,
     kv_mem_kind,
@@ -44,7 +45,6 @@ from sgl_nixl_plugin.adapter.sglang_rooms import (
     tcp,
 )
 from sgl_nixl_plugin.adapter.transport import Transport
-from sgl_nixl_plugin.bridge.entry import announce
 from sgl_nixl_plugin.engine.engine import TransferEngine
 from sgl_nixl_plugin.engine.staging import StagingBuffer
 from sgl_nixl_plugin.protocol.decode_rooms import DecodeRooms
