@@ -19,24 +19,7 @@ from sglang.srt.disaggregation.common.conn import CommonKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sgl_nixl_plugin import metrics
-from sgl_nixl_plugin.adapter import bootstrap_client
-from sgl_nixl_plugin.adapter.context import DecodeContext, Identity, PrefillContext
-from sgl_nixl_plugin.adapter.decode_side import DecodeSide
-from sgl_nixl_plugin.adapter.decode_staging import DecodeStaging, SlotMessenger
-from sgl_nixl_plugin.adapter.decode_warmup import DecodeWarmup
 from sgl_nixl_plugin.adapter.hooks import announce
-from sgl_nixl_plugin.adapter.memory import (
-    compat_of,
-    kv_mem_kind,
-    memory_from_kv_args,
-    page_bound_states,
-    prefill_head_layout,
-    to_regions,
-)
-from sgl_nixl_plugin.adapter.one_pass import offer as offer_one_pass
-from sgl_nixl_plugin.adapter.pipeline_stages import PrefillStage
-from sgl_nixl_plugin.adapter.prefill_side import PrefillSide
-from sgl_nixl_plugin.adapter.process_knobs import apply_process_knobs
 from sgl_nixl_plugin.adapter.sglang_rooms import (
     AbortTarget,
     SGLangRooms,
@@ -44,13 +27,30 @@ from sgl_nixl_plugin.adapter.sglang_rooms import (
     sglang_table_sizes,
     tcp,
 )
-from sgl_nixl_plugin.adapter.transport import Transport
 from sgl_nixl_plugin.engine.engine import TransferEngine
 from sgl_nixl_plugin.engine.staging import StagingBuffer
 from sgl_nixl_plugin.protocol.decode_rooms import DecodeRooms
 from sgl_nixl_plugin.protocol.prefill_rooms import Chunk, EarlyAborts
 from sgl_nixl_plugin.registry import manager as registry
 from sgl_nixl_plugin.settings import Settings, staging_sizes
+from sgl_nixl_plugin.sides.context import DecodeContext, Identity, PrefillContext
+from sgl_nixl_plugin.sides.decode_side import DecodeSide
+from sgl_nixl_plugin.sides.decode_staging import DecodeStaging, SlotMessenger
+from sgl_nixl_plugin.sides.decode_warmup import DecodeWarmup
+from sgl_nixl_plugin.sides.memory import (
+    compat_of,
+    kv_mem_kind,
+    memory_from_kv_args,
+    page_bound_states,
+    prefill_head_layout,
+    to_regions,
+)
+from sgl_nixl_plugin.sides.one_pass import offer as offer_one_pass
+from sgl_nixl_plugin.sides.pipeline_stages import PrefillStage
+from sgl_nixl_plugin.sides.prefill_side import PrefillSide
+from sgl_nixl_plugin.sides.process_knobs import apply_process_knobs
+from sgl_nixl_plugin.transport import bootstrap_client
+from sgl_nixl_plugin.transport.transport import Transport
 from sgl_nixl_plugin.wire.codec import Codec, index_specs
 from sgl_nixl_plugin.wire.compat import compat_hash
 from sgl_nixl_plugin.wire.messages import (

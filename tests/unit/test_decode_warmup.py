@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from helpers.waiting import poll_until
 
-from sgl_nixl_plugin.adapter import decode_warmup
-from sgl_nixl_plugin.adapter.decode_warmup import DecodeWarmup
+from sgl_nixl_plugin.sides import decode_warmup
+from sgl_nixl_plugin.sides.decode_warmup import DecodeWarmup
 
 ADDR = "127.0.0.1:8998"
 
@@ -132,7 +132,7 @@ def test_the_ranks_a_warm_up_linked_are_known_until_one_is_lost(monkeypatch):
 
 
 def test_a_decode_knows_the_warm_links_besides_sglangs_routes():
-    from sgl_nixl_plugin.adapter.decode_policy import DecodePolicy
+    from sgl_nixl_plugin.sides.decode_policy import DecodePolicy
 
     routes = {("127.0.0.1", 9000)}
     warm = {("127.0.0.1", 9000), ("127.0.0.1", 9010)}

@@ -21,10 +21,10 @@ import pytest
 import zmq
 from helpers.zmq_pair import loopback_pair
 
-from sgl_nixl_plugin.adapter.pipeline_stages import PrefillStage
-from sgl_nixl_plugin.adapter.prefill_control import PrefillControl
 from sgl_nixl_plugin.protocol.peers import DecodePeers
 from sgl_nixl_plugin.settings import Settings
+from sgl_nixl_plugin.sides.pipeline_stages import PrefillStage
+from sgl_nixl_plugin.sides.prefill_control import PrefillControl
 from sgl_nixl_plugin.wire.codec import Codec
 from sgl_nixl_plugin.wire.messages import (
     PROTOCOL_VERSION,

@@ -8,33 +8,28 @@ listener is named on its own: it must run where SGLang is not importable.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from helpers import subproc
 
 #: The decode listener: its thread, its policy and what they are handed.
-DECODE_LISTENER = "sgl_nixl_plugin.adapter.decode"
+DECODE_LISTENER = "sgl_nixl_plugin.sides.decode_listener"
 
-#: Modules that must import without SGLang (each with everything it imports).
-SGLANG_FREE = (
-    DECODE_LISTENER,
-    "sgl_nixl_plugin.adapter.bootstrap_client",
-    "sgl_nixl_plugin.adapter.context",
-    "sgl_nixl_plugin.adapter.control_loop",
-    "sgl_nixl_plugin.adapter.decode_policy",
-    "sgl_nixl_plugin.adapter.decode_side",
-    "sgl_nixl_plugin.adapter.decode_staging",
-    "sgl_nixl_plugin.adapter.decode_warmup",
-    "sgl_nixl_plugin.adapter.liveness",
-    "sgl_nixl_plugin.adapter.memory",
-    "sgl_nixl_plugin.adapter.one_pass",
-    "sgl_nixl_plugin.adapter.peer_setup",
-    "sgl_nixl_plugin.adapter.pipeline_stages",
-    "sgl_nixl_plugin.adapter.prefill_control",
-    "sgl_nixl_plugin.adapter.prefill_side",
-    "sgl_nixl_plugin.adapter.process_knobs",
-    "sgl_nixl_plugin.adapter.transfer_worker",
-    "sgl_nixl_plugin.adapter.transport",
-)
+#: Packages that must import without SGLang, every module of them (with all they import).
+SGLANG_FREE_PACKAGES = ("sides", "transport")
+
+
+def _modules() -> list[str]:
+    root = Path(__file__).resolve().parents[2] / "sgl_nixl_plugin"
+    names = [DECODE_LISTENER]
+    for package in SGLANG_FREE_PACKAGES:
+        names += [
+            f"sgl_nixl_plugin.{package}" + ("" if p.stem == "__init__" else f".{p.stem}")
+            for p in sorted((root / package).glob("*.py"))
+        ]
+    return names
+
 
 #: Run in the subprocess: refuse SGLang, then import each module named in argv.
 _IMPORT_WITHOUT_SGLANG = """
@@ -61,7 +56,7 @@ sys.exit(1 if failed else 0)
 
 @pytest.mark.timeout(int(subproc.TIMEOUT_S) + 30)
 def test_sides_and_transport_import_no_sglang() -> None:
-    proc = subproc.run(subproc.python_argv("-c", _IMPORT_WITHOUT_SGLANG, *SGLANG_FREE))
+    proc = subproc.run(subproc.python_argv("-c", _IMPORT_WITHOUT_SGLANG, *_modules()))
     assert proc.returncode == 0, proc.stderr
 
 

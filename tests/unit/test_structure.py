@@ -1,10 +1,11 @@
 """The package's shape, read from its source with ``ast`` (nothing of it is imported):
 
-* only ``sgl_nixl_plugin/adapter/`` imports SGLang;
+* only ``sgl_nixl_plugin/adapter/`` (the SGLang facade) imports SGLang;
 * the internal import graph has no cycle;
 * imports between the subpackages follow the layers: ``engine`` <- ``wire`` <- ``protocol``
-  <- ``adapter`` <- ``cli``, with ``registry`` and ``bridge`` beside them and ``bench``
-  above the adapter (it drives SGLang's classes through ``adapter.harness``).
+  <- ``transport`` <- ``sides`` <- ``adapter`` <- ``bench`` <- ``cli``, with ``registry``
+  beside them (it imports nothing of the package) and ``bridge`` (SGLang's entry point)
+  using only the registry, the settings and the adapter's hooks and release gate.
 
 Every ``import`` counts, at any depth: module level, inside functions and under
 ``if TYPE_CHECKING:``. A type-only import still ties the two modules together.
@@ -247,17 +248,29 @@ ALLOWED: dict[str, frozenset[str]] = {
     "wire": frozenset({"engine"}),
     # the SGLang-free transfer protocol (state machines over engine and wire)
     "protocol": frozenset({"engine", "wire"}),
-    # the SGLang facade; settings for the operator's configuration (secrets, staging sizes),
-    # registry for the backend hooks
-    "adapter": frozenset({"engine", "wire", "protocol", "registry", "settings"}),
+    # moving messages between ranks (ZMQ, liveness, the bootstrap's HTTP client): no policy
+    "transport": frozenset({"engine", "wire"}),
+    # the per-side threads and their policy, SGLang-free (SGLang's room tables come in as
+    # the sides.room_tables protocol); settings for the operator's configuration, registry
+    # for the observer hooks
+    "sides": frozenset({"engine", "wire", "protocol", "transport", "registry", "settings"}),
+    # the SGLang facade: SGLang's classes built over the sides; registry for the backend
+    # hooks
+    "adapter": frozenset(
+        {"engine", "wire", "protocol", "transport", "sides", "registry", "settings"}
+    ),
     # drives SGLang's classes through the facade (adapter.harness); observes via registry
-    "bench": frozenset({"engine", "wire", "protocol", "adapter", "registry", "settings"}),
+    "bench": frozenset(
+        {"engine", "wire", "protocol", "transport", "sides", "adapter", "registry", "settings"}
+    ),
     # the command line may use everything
     "cli": frozenset(
         {
             "engine",
             "wire",
             "protocol",
+            "transport",
+            "sides",
             "adapter",
             "registry",
             "bridge",

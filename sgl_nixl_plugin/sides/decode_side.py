@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from sgl_nixl_plugin.adapter.context import DecodeContext
-from sgl_nixl_plugin.adapter.decode import DecodeListener
-from sgl_nixl_plugin.adapter.decode_policy import DecodePolicy
-from sgl_nixl_plugin.adapter.decode_staging import SUCCESS, DecodeStaging
+from sgl_nixl_plugin.sides.context import DecodeContext
+from sgl_nixl_plugin.sides.decode_listener import DecodeListener
+from sgl_nixl_plugin.sides.decode_policy import DecodePolicy
+from sgl_nixl_plugin.sides.decode_staging import SUCCESS, DecodeStaging
 from sgl_nixl_plugin.wire.messages import StagingArea
 
 Endpoint = tuple[str, int]

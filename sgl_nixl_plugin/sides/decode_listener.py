@@ -10,9 +10,9 @@ import logging
 import time
 from typing import Any
 
-from sgl_nixl_plugin.adapter.control_loop import ControlLoop
-from sgl_nixl_plugin.adapter.decode_policy import DecodePolicy
-from sgl_nixl_plugin.adapter.liveness import Endpoint
+from sgl_nixl_plugin.sides.decode_policy import DecodePolicy
+from sgl_nixl_plugin.transport.control_loop import ControlLoop
+from sgl_nixl_plugin.transport.liveness import Endpoint
 from sgl_nixl_plugin.wire.codec import ForeignReply
 from sgl_nixl_plugin.wire.messages import (
     AbortAck,

@@ -15,12 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from sgl_nixl_plugin.adapter.context import PrefillContext
-from sgl_nixl_plugin.adapter.control_loop import ControlLoop
-from sgl_nixl_plugin.adapter.memory import decode_heads, kv_geometry, remote_memory
-from sgl_nixl_plugin.adapter.one_pass import attach as attach_one_pass
-from sgl_nixl_plugin.adapter.peer_setup import SetupThread
-from sgl_nixl_plugin.adapter.pipeline_stages import DecodeStage, PrefillStage, decode_kv_window
 from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.descriptors import validate_items
 from sgl_nixl_plugin.engine.engine import HOST, Memory, PeerLink
@@ -28,6 +22,12 @@ from sgl_nixl_plugin.engine.staging import RemoteStaging, spare_of
 from sgl_nixl_plugin.protocol.credits import SlotCredits
 from sgl_nixl_plugin.protocol.peers import DecodePeer
 from sgl_nixl_plugin.protocol.prefill_rooms import TransferInfo
+from sgl_nixl_plugin.sides.context import PrefillContext
+from sgl_nixl_plugin.sides.memory import decode_heads, kv_geometry, remote_memory
+from sgl_nixl_plugin.sides.one_pass import attach as attach_one_pass
+from sgl_nixl_plugin.sides.peer_setup import SetupThread
+from sgl_nixl_plugin.sides.pipeline_stages import DecodeStage, PrefillStage, decode_kv_window
+from sgl_nixl_plugin.transport.control_loop import ControlLoop
 from sgl_nixl_plugin.wire.codec import ForeignRegistration
 from sgl_nixl_plugin.wire.compat import describe_mismatch
 from sgl_nixl_plugin.wire.messages import (

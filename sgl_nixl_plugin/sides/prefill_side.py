@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import threading
 
-from sgl_nixl_plugin.adapter.context import PrefillContext
-from sgl_nixl_plugin.adapter.prefill_control import PrefillControl
-from sgl_nixl_plugin.adapter.transfer_worker import TransferWorker
 from sgl_nixl_plugin.protocol.prefill_rooms import Chunk
+from sgl_nixl_plugin.sides.context import PrefillContext
+from sgl_nixl_plugin.sides.prefill_control import PrefillControl
+from sgl_nixl_plugin.sides.transfer_worker import TransferWorker
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from sgl_nixl_plugin.adapter.context import DecodeContext
+from sgl_nixl_plugin.sides.context import DecodeContext
 from sgl_nixl_plugin.wire.messages import Abort
 
 logger = logging.getLogger(__name__)

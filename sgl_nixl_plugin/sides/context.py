@@ -10,10 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sgl_nixl_plugin import metrics
-from sgl_nixl_plugin.adapter.memory import HeadLayout
-from sgl_nixl_plugin.adapter.pipeline_stages import PrefillStage
-from sgl_nixl_plugin.adapter.room_tables import RoomTables
-from sgl_nixl_plugin.adapter.transport import Transport
 from sgl_nixl_plugin.engine.engine import PeerLink, TransferEngine
 from sgl_nixl_plugin.engine.staging import StagingBuffer
 from sgl_nixl_plugin.protocol.decode_rooms import DecodeRooms
@@ -22,6 +18,10 @@ from sgl_nixl_plugin.protocol.prefill_rooms import EarlyAborts, PrefillRoom, Pre
 from sgl_nixl_plugin.registry import manager as registry
 from sgl_nixl_plugin.registry.spec import TransferEvent
 from sgl_nixl_plugin.settings import Settings
+from sgl_nixl_plugin.sides.memory import HeadLayout
+from sgl_nixl_plugin.sides.pipeline_stages import PrefillStage
+from sgl_nixl_plugin.sides.room_tables import RoomTables
+from sgl_nixl_plugin.transport.transport import Transport
 from sgl_nixl_plugin.wire.codec import Codec
 from sgl_nixl_plugin.wire.messages import Compat
 

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from sgl_nixl_plugin import metrics
-from sgl_nixl_plugin.adapter.context import PrefillContext
 from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.descriptors import expected_descriptors
 from sgl_nixl_plugin.engine.one_pass import KernelXfer
@@ -40,6 +39,7 @@ from sgl_nixl_plugin.protocol.prefill_rooms import (
     PrefillRoom,
     TransferInfo,
 )
+from sgl_nixl_plugin.sides.context import PrefillContext
 from sgl_nixl_plugin.wire.messages import PieceReady, SlotAsk, SlotReturn
 
 logger = logging.getLogger(__name__)
