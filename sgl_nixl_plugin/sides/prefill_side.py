@@ -42,7 +42,11 @@ class PrefillSide:
         self.ctx.rooms.release(room)
 
     def threads(self) -> list[threading.Thread]:
-        return [self.control.thread, self.control.setup.thread, *(w.thread for w in self.workers)]
+        return [
+            self.control.thread,
+            self.control.registrations.setup.thread,
+            *(w.thread for w in self.workers),
+        ]
 
     def stop(self) -> None:
         self.control.stop()

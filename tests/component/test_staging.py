@@ -472,7 +472,7 @@ def test_mapped_units_are_read_in_place_byte_exact_and_their_buffers_reused(pair
 
 
 def test_a_prefill_sharing_its_gpu_with_the_decode_hints_at_mps_once(monkeypatch, tmp_path, caplog):
-    from sgl_nixl_plugin.sides import transfer_worker as tw
+    from sgl_nixl_plugin.sides import staged_path as tw
 
     monkeypatch.setattr(tw, "_MPS_HINTED", threading.Event())
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "none"))

@@ -123,7 +123,7 @@ def prefill() -> Iterator[tuple[PrefillControl, Any, list[tuple[str, Any]], list
             ctl.stop()
             ctl.thread.join(BOUND_S)
             if hasattr(ctl, "setup"):
-                ctl.setup.thread.join(BOUND_S)
+                ctl.registrations.setup.thread.join(BOUND_S)
             for s in decode_socks:
                 s.close(0)
 
@@ -183,4 +183,4 @@ def test_a_registration_repeated_during_its_setup_is_answered_after_it(prefill):
     )
     replies = [m for _, m in log if isinstance(m, RegistrationReply)]
     assert all(r.agent_name == "decode-a" and r.accepted for r in replies)
-    assert ctl.setup.completed == 1  # the repeat kept the link: set up once
+    assert ctl.registrations.setup.completed == 1  # the repeat kept the link: set up once
