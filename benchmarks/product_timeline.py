@@ -178,9 +178,9 @@ def _install(role: str, poll_wait_us: float, bell: bool) -> None:
         }
     )
     if role == "prefill":
-        from sgl_nixl_plugin.adapter.context import PrefillContext
-        from sgl_nixl_plugin.adapter.prefill_control import PrefillControl
         from sgl_nixl_plugin.engine.staging import StagedSend
+        from sgl_nixl_plugin.sides.context import PrefillContext
+        from sgl_nixl_plugin.sides.prefill_control import PrefillControl
 
         real_init = StagedSend.__init__
 
@@ -190,7 +190,7 @@ def _install(role: str, poll_wait_us: float, bell: bool) -> None:
                 self.trace = []
 
         StagedSend.__init__ = init  # type: ignore[method-assign]
-        from sgl_nixl_plugin.adapter.transfer_worker import TransferWorker
+        from sgl_nixl_plugin.sides.transfer_worker import TransferWorker
 
         def keep_traces(self: Any, rec: Any, *a: Any, **kw: Any) -> None:
             # the worker drops a room's finished jobs before the room ends: keep their traces
@@ -310,10 +310,10 @@ def _install(role: str, poll_wait_us: float, bell: bool) -> None:
 
         _patch(PrefillContext, "observe", before=on_observe)
     elif role == "decode":
-        from sgl_nixl_plugin.adapter.decode import DecodeListener
-        from sgl_nixl_plugin.adapter.decode_side import DecodeSide
-        from sgl_nixl_plugin.adapter.decode_staging import DecodeStaging
         from sgl_nixl_plugin.engine.scatter_queue import ScatterQueue
+        from sgl_nixl_plugin.sides.decode_listener import DecodeListener
+        from sgl_nixl_plugin.sides.decode_side import DecodeSide
+        from sgl_nixl_plugin.sides.decode_staging import DecodeStaging
 
         frames_at = {"t": 0.0}  # when the listener took the frames being handled
 

@@ -21,8 +21,8 @@ bin=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
      --platform manylinux2014_x86_64 --platform manylinux_2_34_x86_64)
 if [[ ${1:-} == sglang ]]; then
-    release=${2:-$(PYTHONPATH=$PWD python3 -c 'from sgl_nixl_plugin import compat
-print(compat.TESTED_SGLANG)')}
+    release=${2:-$(PYTHONPATH=$PWD python3 -c 'from sgl_nixl_plugin.adapter import release_gate
+print(release_gate.TESTED_SGLANG)')}
     mkdir -p .sglwhl
     rm -f .sglwhl/sglang-*.whl  # one release at a time (a call carries at most 64 MiB)
     python3 -m pip download -q "${bin[@]}" -d .sglwhl "sglang==$release"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The older supported SGLang releases (compat.CONTRACTS, all but the newest), each against
+# The older supported SGLang releases (release_gate.CONTRACTS, all but the newest), each against
 # the contract, adapter and multi-process tests; the oldest also against the real-server
 # stage. The newest release is the base environment's (ci/setup_env.sh) and gets the whole
 # suite from ci/run_tests.sh, which runs this script after it.
@@ -34,8 +34,8 @@ while [[ $# -gt 0 && $1 != "--" ]]; do
 done
 [[ ${1:-} == "--" ]] && shift
 
-read -r -a older <<<"$(python -c 'from sgl_nixl_plugin import compat
-print(" ".join(v for v in compat.CONTRACTS if v != compat.TESTED_SGLANG))')"
+read -r -a older <<<"$(python -c 'from sgl_nixl_plugin.adapter import release_gate
+print(" ".join(v for v in release_gate.CONTRACTS if v != release_gate.TESTED_SGLANG))')"
 oldest="${older[0]}"
 [[ ${#wanted[@]} -gt 0 ]] && older=("${wanted[@]}")
 

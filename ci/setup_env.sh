@@ -3,7 +3,7 @@
 #
 # Which venv: $VENV if set; else the active virtualenv ($VIRTUAL_ENV); else ./.venv (created
 # when missing, with $PYTHON, default python3; 3.11 tested). Installs the plugin editable with
-# its test extras, then the newest supported SGLang (compat.TESTED_SGLANG) with --no-deps plus the light packages its imported
+# its test extras, then the newest supported SGLang (release_gate.TESTED_SGLANG) with --no-deps plus the light packages its imported
 # modules need (ci/requirements-sglang-light.txt). Run it, or source it to keep the venv
 # active in your shell (`source ci/setup_env.sh`); sourcing does not change your shell options.
 
@@ -50,7 +50,7 @@ else
         -r "$root/ci/requirements-sglang-server.txt"
     # SGLang's declared dependencies include CUDA-only kernels; we import only its Python layer.
     # The newest supported release (the older ones: ci/run_matrix.sh).
-    newest="$(python -c 'from sgl_nixl_plugin import compat; print(compat.TESTED_SGLANG)')"
+    newest="$(python -c 'from sgl_nixl_plugin.adapter import release_gate; print(release_gate.TESTED_SGLANG)')"
     python -m pip install "${pip_q[@]}" --no-deps "sglang==$newest"
     if ! python -W ignore -c 'import sgl_nixl_plugin, sglang.srt.plugins' >/dev/null; then
         echo "setup_env: the installed packages do not import (see the error above)" >&2

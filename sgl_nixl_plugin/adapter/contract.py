@@ -4,7 +4,7 @@ SGLang's disaggregation classes change between releases, so the bridge checks at
 that every signature we call into or override looks the way it does in the release the
 installed version maps to (:data:`SIGNATURES`), and refuses to register otherwise rather
 than fail on the first request. Our classes for each release are ``adapter/releases``'. The supported releases are
-``sgl_nixl_plugin.compat``'s.
+``adapter.release_gate``'s.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ TEMPLATE: tuple[ReliedSignature, ...] = (
     relied("CommonKVReceiver._check_waiting_timeout", "(self)"),
 )
 
-#: Every supported release's signatures (keys: those of ``compat.CONTRACTS``). Checked at start-up
+#: Every supported release's signatures (keys: those of ``release_gate.CONTRACTS``). Checked at start-up
 #: against the installed SGLang without importing our classes, so the gate stays cheap in
 #: every SGLang process.
 SIGNATURES: dict[str, tuple[ReliedSignature, ...]] = {

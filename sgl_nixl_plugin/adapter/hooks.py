@@ -15,15 +15,23 @@ from __future__ import annotations
 
 import enum
 import functools
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sgl_nixl_plugin.adapter import release_gate
 from sgl_nixl_plugin.registry.spec import BackendSpec
+
+logger = logging.getLogger(__name__)
 
 UTILS = "sglang.srt.disaggregation.utils"
 GET_KV_CLASS_TARGET = f"{UTILS}.get_kv_class"
 TRANSFER_BACKEND_TARGET = f"{UTILS}.TransferBackend"
+
+#: What :func:`install` registered, for the start-up line (see :func:`announce`).
+_summary = ""
+_announced = False
 
 
 @dataclass(frozen=True)
@@ -153,3 +161,32 @@ def install(plan: RegistrationPlan) -> None:
     if plan.transfer_backend_enum is not None:
         HookRegistry.register(TRANSFER_BACKEND_TARGET, plan.transfer_backend_enum, HookType.REPLACE)
     HookRegistry.register(GET_KV_CLASS_TARGET, plan.hook, HookType.AROUND)
+    global _summary
+    _summary = "registered transfer backend(s): {}{} (SGLang {})".format(
+        ", ".join(
+            f"{name} -> {spec.classes_module}" for name, spec in sorted(plan.backends.items())
+        )
+        or "(none)",
+        f" (new CLI choices: {', '.join(plan.new_names)})" if plan.new_names else "",
+        release_gate.installed_sglang_version() or "unknown",
+    )
+
+
+def summary() -> str:
+    """What :func:`install` registered in this process, in words ("" before it ran)."""
+    return _summary
+
+
+def announce() -> None:
+    """Log the start-up line once per process, from the first manager SGLang builds.
+
+    The bridge's ``register()`` runs before SGLang configures logging, so its INFO line
+    never reaches a server's log; by the time a manager exists, logging is set up.
+    """
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    from sgl_nixl_plugin import __version__
+
+    logger.info("sgl-nixl-plugin %s serving: %s", __version__, _summary or "loaded directly")

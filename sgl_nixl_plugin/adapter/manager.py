@@ -19,23 +19,7 @@ from sglang.srt.disaggregation.common.conn import CommonKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sgl_nixl_plugin import metrics
-from sgl_nixl_plugin.adapter import bootstrap_client
-from sgl_nixl_plugin.adapter.context import DecodeContext, Identity, PrefillContext
-from sgl_nixl_plugin.adapter.decode_side import DecodeSide
-from sgl_nixl_plugin.adapter.decode_staging import DecodeStaging, SlotMessenger
-from sgl_nixl_plugin.adapter.decode_warmup import DecodeWarmup, StartupRegistration
-from sgl_nixl_plugin.adapter.memory import (
-    compat_of,
-    kv_mem_kind,
-    memory_from_kv_args,
-    page_bound_states,
-    prefill_head_layout,
-    to_regions,
-)
-from sgl_nixl_plugin.adapter.one_pass import offer as offer_one_pass
-from sgl_nixl_plugin.adapter.pipeline_stages import PrefillStage
-from sgl_nixl_plugin.adapter.prefill_side import PrefillSide
-from sgl_nixl_plugin.adapter.process_knobs import apply_process_knobs
+from sgl_nixl_plugin.adapter.hooks import announce
 from sgl_nixl_plugin.adapter.sglang_rooms import (
     AbortTarget,
     SGLangRooms,
@@ -43,14 +27,30 @@ from sgl_nixl_plugin.adapter.sglang_rooms import (
     sglang_table_sizes,
     tcp,
 )
-from sgl_nixl_plugin.adapter.transport import Transport
-from sgl_nixl_plugin.bridge.entry import announce
 from sgl_nixl_plugin.engine.engine import TransferEngine
 from sgl_nixl_plugin.engine.staging import StagingBuffer
 from sgl_nixl_plugin.protocol.decode_rooms import DecodeRooms
 from sgl_nixl_plugin.protocol.prefill_rooms import Chunk, EarlyAborts
 from sgl_nixl_plugin.registry import manager as registry
 from sgl_nixl_plugin.settings import Settings, prefill_addrs, staging_sizes
+from sgl_nixl_plugin.sides.context import DecodeContext, Identity, PrefillContext
+from sgl_nixl_plugin.sides.decode_side import DecodeSide
+from sgl_nixl_plugin.sides.decode_staging import DecodeStaging, SlotMessenger
+from sgl_nixl_plugin.sides.decode_warmup import DecodeWarmup
+from sgl_nixl_plugin.sides.memory import (
+    compat_of,
+    kv_mem_kind,
+    memory_from_kv_args,
+    page_bound_states,
+    prefill_head_layout,
+    to_regions,
+)
+from sgl_nixl_plugin.sides.one_pass import offer as offer_one_pass
+from sgl_nixl_plugin.sides.pipeline_stages import PrefillStage
+from sgl_nixl_plugin.sides.prefill_side import PrefillSide
+from sgl_nixl_plugin.sides.process_knobs import apply_process_knobs
+from sgl_nixl_plugin.transport import bootstrap_client
+from sgl_nixl_plugin.transport.transport import Transport
 from sgl_nixl_plugin.wire.codec import Codec, index_specs
 from sgl_nixl_plugin.wire.compat import compat_hash
 from sgl_nixl_plugin.wire.messages import (
@@ -147,8 +147,10 @@ class NixlPluginKVManager(CommonKVManager):
             self._ipc_offer, self.decode.ctx.flags = offer_one_pass(self.settings, memory, gpu)
             self._start_heartbeat_checker_thread()
         self.side.start()
-        if not is_prefill:
-            self._register_at_start()
+        if not is_prefill:  # the prefills an operator named: registered as each comes up
+            self.decode.register_at_start(
+                prefill_addrs(self.settings.prefills), self.try_ensure_parallel_info
+            )
         if is_prefill:
             # Only now can this rank answer decodes: advertise it at the bootstrap server.
             self._advertise = True
@@ -170,27 +172,6 @@ class NixlPluginKVManager(CommonKVManager):
             self.rank_port,
             held >> 20,
             "GPU" if self.kv_mem_kind == "VRAM" else "host",
-        )
-
-    def _register_at_start(self) -> None:
-        """Warm the prefills named in ``SGLANG_NIXL_PLUGIN_PREFILLS`` as each comes up."""
-        addrs = prefill_addrs(self.settings.prefills)
-        if not addrs:
-            return
-        if not self.settings.warmup:
-            logger.warning(
-                "sgl-nixl: SGLANG_NIXL_PLUGIN_PREFILLS is set but the warm-up is off "
-                "(SGLANG_NIXL_PLUGIN_WARMUP=0): this decode registers with prefills at their "
-                "first request only"
-            )
-            return
-        secret = self.settings.secret
-        self.decode.register_at_start(
-            StartupRegistration(
-                addrs,
-                lambda addr: bootstrap_client.prefill_up(addr, secret),
-                self.try_ensure_parallel_info,
-            )
         )
 
     # -- composition ----------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
-from sgl_nixl_plugin.adapter import bootstrap_client
+from sgl_nixl_plugin.transport import bootstrap_client
 from sgl_nixl_plugin.wire.messages import Abort
 
 

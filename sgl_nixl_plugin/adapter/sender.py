@@ -11,7 +11,7 @@ from typing import Any
 
 from sglang.srt.disaggregation.common.conn import CommonKVSender
 
-from sgl_nixl_plugin.adapter import bootstrap_client
+from sgl_nixl_plugin.transport import bootstrap_client
 
 logger = logging.getLogger(__name__)
 

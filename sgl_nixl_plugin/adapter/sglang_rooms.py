@@ -62,6 +62,8 @@ _ENDED = (None, KVPoll.Success, KVPoll.Failed)
 
 
 class SGLangRooms:
+    """The ``RoomTables`` the per-side threads use, over SGLang's manager ``mgr``."""
+
     def __init__(self, mgr: Any) -> None:
         self._m = mgr
         # A room's outcome is decided once. Our threads (the transfer worker concluding
@@ -213,6 +215,15 @@ class SGLangRooms:
                     del self._m.connection_pool[key]
         if disconnect:
             CommonKVReceiver.disconnect_endpoint(NetworkAddress(*endpoint).to_tcp())
+
+    def socket_url(self, endpoint: Endpoint) -> str:
+        return tcp(endpoint)[0]
+
+    def socket_urls(self) -> set[str]:
+        return receiver_socket_urls()
+
+    def close_socket(self, url: str, linger_ms: int) -> None:
+        close_receiver_socket(url, linger_ms)
 
 
 def receiver_socket(endpoint: Endpoint) -> tuple[Any, Any]:

@@ -14,9 +14,6 @@ logger = logging.getLogger("sgl_nixl_plugin.bridge")
 
 #: None until register() ran; then "registered" or "disabled" (the reason is in the log).
 _state: str | None = None
-#: What register() installed, for the start-up line (see announce()).
-_summary = ""
-_announced = False
 
 
 def register() -> None:
@@ -31,7 +28,7 @@ def register() -> None:
     if _state is not None:
         return
 
-    from sgl_nixl_plugin import __version__, compat
+    from sgl_nixl_plugin import __version__
     from sgl_nixl_plugin.adapter import hooks
     from sgl_nixl_plugin.bridge import version_gate
 
@@ -61,28 +58,4 @@ def register() -> None:
 
     hooks.install(plan)
     _state = "registered"
-    global _summary
-    _summary = "registered transfer backend(s): {}{} (SGLang {})".format(
-        ", ".join(
-            f"{name} -> {spec.classes_module}" for name, spec in sorted(plan.backends.items())
-        )
-        or "(none)",
-        f" (new CLI choices: {', '.join(plan.new_names)})" if plan.new_names else "",
-        compat.installed_sglang_version() or "unknown",
-    )
-    logger.info("sgl-nixl-plugin %s %s", __version__, _summary)
-
-
-def announce() -> None:
-    """Log the start-up line once per process, from the first manager SGLang builds.
-
-    ``register()`` runs before SGLang configures logging, so its INFO line never reaches a
-    server's log; by the time a manager exists, logging is set up.
-    """
-    global _announced
-    if _announced:
-        return
-    _announced = True
-    from sgl_nixl_plugin import __version__
-
-    logger.info("sgl-nixl-plugin %s serving: %s", __version__, _summary or "loaded directly")
+    logger.info("sgl-nixl-plugin %s %s", __version__, hooks.summary())

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sgl_nixl_plugin import __version__, compat, settings
+from sgl_nixl_plugin import __version__, settings
+from sgl_nixl_plugin.adapter import release_gate
 
 #: Set to 1/true/yes/on to make an unsupported SGLang a start-up failure instead of a warning.
 STRICT_ENV = "SGLANG_NIXL_PLUGIN_STRICT"  # read by ``settings.strict_mode``
@@ -49,4 +50,4 @@ class GateResult:
 
 def evaluate() -> GateResult:
     """Check the installed SGLang's version and the signatures we rely on."""
-    return GateResult(problems=tuple(compat.check_sglang()))
+    return GateResult(problems=tuple(release_gate.check_sglang()))

@@ -11,7 +11,8 @@ import importlib.metadata
 import sys
 from collections.abc import Sequence
 
-from sgl_nixl_plugin import __version__, compat
+from sgl_nixl_plugin import __version__
+from sgl_nixl_plugin.adapter import release_gate
 
 BENCH_MODULE = "sgl_nixl_plugin.cli.bench"
 
@@ -25,13 +26,15 @@ def _dist_version(name: str) -> str:
 
 def cmd_version() -> int:
     """Print the plugin version, then SGLang's (with the supported range) and NIXL's."""
-    sglang = compat.installed_sglang_version()
+    sglang = release_gate.installed_sglang_version()
     if sglang is None:
-        sglang_line = f"SGLang not installed (supported: {compat.SUPPORTED_SGLANG})"
+        sglang_line = f"SGLang not installed (supported: {release_gate.SUPPORTED_SGLANG})"
     else:
-        contract = compat.contract_for(sglang)
+        contract = release_gate.contract_for(sglang)
         where = "within" if contract else "OUTSIDE"
-        sglang_line = f"SGLang {sglang} ({where} the supported range {compat.SUPPORTED_SGLANG}"
+        sglang_line = (
+            f"SGLang {sglang} ({where} the supported range {release_gate.SUPPORTED_SGLANG}"
+        )
         sglang_line += f"; contract {contract})" if contract else ")"
     print(f"sgl-nixl-plugin {__version__}")
     print(sglang_line)

@@ -11,18 +11,38 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from sgl_nixl_plugin.engine.layout import RegionSet
-from sgl_nixl_plugin.registry.spec import AgentConfig
 
 logger = logging.getLogger(__name__)
 
 #: Backends whose plugin accepts a ``num_threads`` init parameter.
 _THREADED_BACKENDS = ("UCX", "LIBFABRIC", "OBJ")
+
+
+class AgentSettings(Protocol):
+    """How to create the agent: what the engine reads of the registry's ``AgentConfig``.
+
+    A protocol, so the engine stays below the registry (deployers' hooks edit the
+    registry's dataclass; the engine only reads these four fields).
+    """
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def backend_params(self) -> Mapping[str, str]: ...
+
+    @property
+    def num_threads(self) -> int: ...
+
+    @property
+    def capture_telemetry(self) -> bool: ...
 
 
 class TransferError(RuntimeError):
@@ -46,7 +66,7 @@ class Agent:
     """A NIXL agent with one backend, and an inventory of everything it created."""
 
     def __init__(
-        self, config: AgentConfig, name: str | None = None, progress_thread: bool = False
+        self, config: AgentSettings, name: str | None = None, progress_thread: bool = False
     ) -> None:
         """``progress_thread``: NIXL's own progress thread polls without pause (a full core
         per process, idle or not), so by default we progress the agent ourselves, only

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from sgl_nixl_plugin.engine.agent import Agent, TransferError, Xfer
+from sgl_nixl_plugin.engine.agent import Agent, AgentSettings, TransferError, Xfer
 from sgl_nixl_plugin.engine.descriptors import (
     expected_descriptors,
     paired_tokens,
@@ -26,7 +26,6 @@ from sgl_nixl_plugin.engine.descriptors import (
 from sgl_nixl_plugin.engine.layout import Geometry, RegionSet
 from sgl_nixl_plugin.engine.one_pass import KernelXfer, OnePassLink
 from sgl_nixl_plugin.engine.staging import RemoteStaging, StagingBuffer
-from sgl_nixl_plugin.registry.spec import AgentConfig
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +149,7 @@ class TransferEngine:
 
     def __init__(
         self,
-        config: AgentConfig,
+        config: AgentSettings,
         memory: Memory,
         name: str | None = None,
         progress_thread: bool = False,

@@ -9,7 +9,7 @@ import msgspec
 from sgl_nixl_plugin.wire.messages import Compat
 
 #: ``Compat`` fields the two sides may differ in: the prefill pairs tokens across page sizes
-#: and checks layer counts against the pipeline stages (``adapter.pipeline_stages``).
+#: and checks layer counts against the pipeline stages (``sides.pipeline_stages``).
 MAY_DIFFER = frozenset({"page_size", "num_layers"})
 
 

@@ -52,7 +52,7 @@ class Compat(msgspec.Struct, frozen=True):
 
     Only what SGLang hands the manager on both sides before it is constructed: the head
     split is not here (a decode's ``KVArgs`` has no head counts), the prefill derives the
-    decode's heads from its item length instead (``adapter.memory.decode_heads``).
+    decode's heads from its item length instead (``sides.memory.decode_heads``).
     """
 
     protocol_version: int
@@ -115,7 +115,7 @@ class PeerRegistration(msgspec.Struct, frozen=True, tag="reg"):
     host_kv: Annotated[list[Region], msgspec.Meta(max_length=MAX_REGIONS)] = []
     host_state: Annotated[list[list[Region]], msgspec.Meta(max_length=MAX_REGIONS)] = []
     # the decode's pipeline stage: a prefill stage writes its layers into a PP 1 decode's
-    # (``adapter.pipeline_stages``); draft entries end ``kv`` (speculative decoding)
+    # (``sides.pipeline_stages``); draft entries end ``kv`` (speculative decoding)
     pp_rank: NonNeg = 0
     pp_size: Annotated[int, msgspec.Meta(gt=0)] = 1
     draft_entries: NonNeg = 0

@@ -13,7 +13,8 @@ from helpers import subproc
 from helpers.scenarios import OLD_SGLANG, ScenarioRunner
 from helpers.subproc import SCENARIO_TEST_TIMEOUT_S
 
-from sgl_nixl_plugin import __version__, compat
+from sgl_nixl_plugin import __version__
+from sgl_nixl_plugin.adapter import release_gate
 from sgl_nixl_plugin.cli import doctor, main
 
 
@@ -54,7 +55,7 @@ def test_doctor_json_parses(scenarios: ScenarioRunner) -> None:
     assert facts["discoverable"] is True and facts["sglang_ok"] is True
     installed = importlib.metadata.version("sglang")
     assert facts["sglang_version"] == installed
-    assert facts["sglang_contract"] == compat.contract_for(installed) is not None
+    assert facts["sglang_contract"] == release_gate.contract_for(installed) is not None
     (line,) = [c["detail"] for c in report["checks"] if c["name"] == "SGLang"]
     assert f"contract {facts['sglang_contract']}, signatures match" in line
     assert {c["status"] for c in report["checks"]} <= {"ok", "info", "warn"}
@@ -68,7 +69,7 @@ def test_doctor_fails_on_unsupported_sglang_and_says_why(scenarios: ScenarioRunn
     verdict = " ".join(result.stdout.split())  # undo table/line wrapping
     assert "NOT OK" in verdict
     assert f"SGLang {OLD_SGLANG} is not a supported release (supported: 0.5.21, 0.5.22" in verdict
-    assert compat.SUPPORTED_SGLANG in verdict
+    assert release_gate.SUPPORTED_SGLANG in verdict
     assert "pip install 'sgl-nixl-plugin[sglang]'" in verdict
 
 
@@ -80,8 +81,8 @@ def test_python_m_version() -> None:
     assert lines[0] == f"sgl-nixl-plugin {__version__}" == "sgl-nixl-plugin 0.5.0"
     installed = importlib.metadata.version("sglang")
     assert lines[1] == (
-        f"SGLang {installed} (within the supported range {compat.SUPPORTED_SGLANG}; "
-        f"contract {compat.contract_for(installed)})"
+        f"SGLang {installed} (within the supported range {release_gate.SUPPORTED_SGLANG}; "
+        f"contract {release_gate.contract_for(installed)})"
     )
     assert lines[2].startswith("NIXL 1.5")
 

@@ -391,7 +391,7 @@ def test_decode_expands_uploaded_pages_into_units_like_the_sender(upp):
     with (``unit_indices_of``)."""
     import torch
 
-    from sgl_nixl_plugin.adapter.decode_staging import _expand
+    from sgl_nixl_plugin.sides.decode_staging import _expand
 
     pages = np.random.default_rng(upp).permutation(500)[:37].astype(np.int64)
     want = unit_indices_of(pages, Geometry(8, upp, 8, 8))
@@ -472,7 +472,7 @@ def test_mapped_units_are_read_in_place_byte_exact_and_their_buffers_reused(pair
 
 
 def test_a_prefill_sharing_its_gpu_with_the_decode_hints_at_mps_once(monkeypatch, tmp_path, caplog):
-    from sgl_nixl_plugin.adapter import transfer_worker as tw
+    from sgl_nixl_plugin.sides import staged_path as tw
 
     monkeypatch.setattr(tw, "_MPS_HINTED", threading.Event())
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "none"))

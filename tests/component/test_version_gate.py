@@ -9,8 +9,8 @@ import pytest
 from helpers.scenarios import OLD_SGLANG, ScenarioResult, ScenarioRunner
 from helpers.subproc import SCENARIO_TEST_TIMEOUT_S
 
-from sgl_nixl_plugin import __version__, compat
-from sgl_nixl_plugin.adapter import contract
+from sgl_nixl_plugin import __version__
+from sgl_nixl_plugin.adapter import contract, release_gate
 from sgl_nixl_plugin.bridge import version_gate
 from sgl_nixl_plugin.registry.spec import CLASS_KINDS
 
@@ -55,22 +55,22 @@ def _assert_refused(result: ScenarioResult) -> str:
     ],
 )
 def test_supported_versions_map_to_their_release_module(version: str, module: str) -> None:
-    assert compat.check_version(version) == []
-    assert compat.contract_for(version) == module
+    assert release_gate.check_version(version) == []
+    assert release_gate.contract_for(version) == module
 
 
 def test_every_supported_release_has_a_module_and_the_range_says_the_same() -> None:
     from packaging.version import Version
 
-    for release, module in compat.CONTRACTS.items():
+    for release, module in release_gate.CONTRACTS.items():
         assert module == "sglang_" + release.replace(".", "_")
-        assert compat.SUPPORTED_SPECIFIER.contains(Version(release))
-    newest = max(compat.CONTRACTS, key=Version)
-    assert compat.TESTED_SGLANG == newest
+        assert release_gate.SUPPORTED_SPECIFIER.contains(Version(release))
+    newest = max(release_gate.CONTRACTS, key=Version)
+    assert release_gate.TESTED_SGLANG == newest
     nxt = Version(newest).release
-    assert not compat.SUPPORTED_SPECIFIER.contains(f"{nxt[0]}.{nxt[1]}.{nxt[2] + 1}")
-    oldest = Version(min(compat.CONTRACTS, key=Version)).release
-    assert not compat.SUPPORTED_SPECIFIER.contains(f"{oldest[0]}.{oldest[1]}.{oldest[2] - 1}")
+    assert not release_gate.SUPPORTED_SPECIFIER.contains(f"{nxt[0]}.{nxt[1]}.{nxt[2] + 1}")
+    oldest = Version(min(release_gate.CONTRACTS, key=Version)).release
+    assert not release_gate.SUPPORTED_SPECIFIER.contains(f"{oldest[0]}.{oldest[1]}.{oldest[2] - 1}")
 
 
 def test_the_sglang_extra_and_the_readme_table_name_the_supported_releases() -> None:
@@ -80,42 +80,44 @@ def test_the_sglang_extra_and_the_readme_table_name_the_supported_releases() -> 
 
     root = Path(__file__).resolve().parents[2]
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
-    assert project["optional-dependencies"]["sglang"] == [f"sglang{compat.SUPPORTED_SGLANG}"]
+    assert project["optional-dependencies"]["sglang"] == [f"sglang{release_gate.SUPPORTED_SGLANG}"]
     lines = (root / "README.md").read_text().splitlines()
     header = lines.index("| sgl-nixl-plugin | SGLang | NIXL | Python | torch |")
     row = lines[header + 2]  # the compatibility table's first row: this release
-    assert ", ".join(compat.CONTRACTS) in row and f"(`{compat.SUPPORTED_SGLANG}`)" in row
+    assert (
+        ", ".join(release_gate.CONTRACTS) in row and f"(`{release_gate.SUPPORTED_SGLANG}`)" in row
+    )
 
 
 @pytest.mark.parametrize("version", ["0.5.20", "0.5.24", "0.5.24rc1", "0.6.0", "0.5.9"])
 def test_unsupported_version_message_names_version_range_and_fix(version: str) -> None:
-    (problem,) = compat.check_version(version)
+    (problem,) = release_gate.check_version(version)
     assert f"SGLang {version} " in problem
-    assert compat.SUPPORTED_SGLANG in problem
+    assert release_gate.SUPPORTED_SGLANG in problem
     assert "pip install 'sgl-nixl-plugin[sglang]'" in problem
     assert "pip install 'sglang==0.5.23'" in problem
 
 
 def test_invalid_and_missing_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
-    (problem,) = compat.check_version("not-a-version")
-    assert "not a valid version" in problem and compat.SUPPORTED_SGLANG in problem
+    (problem,) = release_gate.check_version("not-a-version")
+    assert "not a valid version" in problem and release_gate.SUPPORTED_SGLANG in problem
 
     def missing(name: str) -> str:
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.delenv(compat.VERSION_OVERRIDE_ENV, raising=False)
-    monkeypatch.setattr(compat.importlib.metadata, "version", missing)
-    assert compat.installed_sglang_version() is None
-    (problem,) = compat.check_version()
-    assert "not installed" in problem and compat.FIX_HINT in problem
+    monkeypatch.delenv(release_gate.VERSION_OVERRIDE_ENV, raising=False)
+    monkeypatch.setattr(release_gate.importlib.metadata, "version", missing)
+    assert release_gate.installed_sglang_version() is None
+    (problem,) = release_gate.check_version()
+    assert "not installed" in problem and release_gate.FIX_HINT in problem
 
 
 def test_version_override_is_a_test_hook(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(compat.VERSION_OVERRIDE_ENV, "0.5.20")
-    assert compat.installed_sglang_version() == "0.5.20"
-    assert compat.check_sglang() != []  # decided without importing SGLang
-    monkeypatch.setenv(compat.VERSION_OVERRIDE_ENV, "")
-    assert compat.installed_sglang_version() == importlib.metadata.version("sglang")
+    monkeypatch.setenv(release_gate.VERSION_OVERRIDE_ENV, "0.5.20")
+    assert release_gate.installed_sglang_version() == "0.5.20"
+    assert release_gate.check_sglang() != []  # decided without importing SGLang
+    monkeypatch.setenv(release_gate.VERSION_OVERRIDE_ENV, "")
+    assert release_gate.installed_sglang_version() == importlib.metadata.version("sglang")
 
 
 class _Dest(enum.Enum):
@@ -137,11 +139,11 @@ def test_render_signature_ignores_annotations_and_marks_kinds() -> None:
     assert contract.render_signature(inspect.signature(g)) == "(self, *args, e=..., f=True)"
 
 
-@pytest.mark.parametrize("release", sorted(compat.CONTRACTS))
+@pytest.mark.parametrize("release", sorted(release_gate.CONTRACTS))
 def test_relied_signatures_are_well_formed(release: str) -> None:
     from sgl_nixl_plugin.adapter import releases
 
-    assert releases.load(compat.CONTRACTS[release]).RELEASE == release
+    assert releases.load(release_gate.CONTRACTS[release]).RELEASE == release
     targets = [s.target for s in contract.SIGNATURES[release]]
     assert len(targets) == len(set(targets))
     for relied in contract.SIGNATURES[release]:
@@ -153,11 +155,11 @@ def test_relied_signatures_are_well_formed(release: str) -> None:
 def test_the_installed_release_matches_its_module_and_no_other() -> None:
     """The installed SGLang passes its own release's check and fails every other one (so
     each release's signatures tell the releases apart)."""
-    installed = compat.installed_sglang_version()
-    own = compat.contract_for(installed)
+    installed = release_gate.installed_sglang_version()
+    own = release_gate.contract_for(installed)
     assert own is not None, installed
-    assert set(contract.SIGNATURES) == set(compat.CONTRACTS)
-    for release, module in compat.CONTRACTS.items():
+    assert set(contract.SIGNATURES) == set(release_gate.CONTRACTS)
+    for release, module in release_gate.CONTRACTS.items():
         problems = contract.check_signatures(contract.SIGNATURES[release])
         assert (problems == []) is (module == own), (release, problems)
 
@@ -191,7 +193,7 @@ def test_unsupported_sglang_logs_one_error_and_keeps_in_tree_nixl(
 ) -> None:
     line = _assert_refused(scenarios.result("old_sglang"))
     assert f"installed SGLang {OLD_SGLANG} " in line
-    assert compat.SUPPORTED_SGLANG in line
+    assert release_gate.SUPPORTED_SGLANG in line
     assert "pip install 'sgl-nixl-plugin[sglang]'" in line
     assert "pip install 'sglang==0.5.23'" in line
 
@@ -204,7 +206,7 @@ def test_strict_mode_fails_the_process_at_start_up(scenarios: ScenarioRunner) ->
     assert result.data is None, result.explain()  # never got past load_plugins()
     assert "refuses to start" in result.stderr, result.explain()
     assert f"installed SGLang {OLD_SGLANG} " in result.stderr
-    assert compat.SUPPORTED_SGLANG in result.stderr
+    assert release_gate.SUPPORTED_SGLANG in result.stderr
 
 
 @pytest.mark.timeout(SCENARIO_TEST_TIMEOUT_S)

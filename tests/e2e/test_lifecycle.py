@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from helpers.faults import FaultCluster, RankProc, SoakPlan, make_requests, poll_until
 
-from sgl_nixl_plugin.adapter.decode import BUSY_RECHECK_S, IDLE_POLL_MS
 from sgl_nixl_plugin.bench.session import free_port
 from sgl_nixl_plugin.bench.workload import PRESETS, Workload
+from sgl_nixl_plugin.sides.decode_listener import BUSY_RECHECK_S, IDLE_POLL_MS
 
 #: 1-2 pages of 16 tokens per request, 256 in flight at once.
 SOAK = Workload(

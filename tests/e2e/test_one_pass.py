@@ -183,9 +183,12 @@ def test_the_one_pass_path_can_be_forbidden(env: dict) -> None:
 
 @needs_gpu
 def test_many_rooms_in_flight_at_once_arrive_byte_exact() -> None:
-    """Concurrency: 48 rooms, up to 16 in flight, across two prefill workers."""
+    """Concurrency: 48 rooms, up to 16 in flight, across two prefill workers. The decode
+    names the prefill at start-up: rooms sent before a prefill rank's registration reply
+    (as SGLang's scheduler sends a new prefill's first ones) are granted staging slots,
+    which a one-pass prefill then returns unused."""
     w = workload("tiny", 16, requests=48, min_tokens=200, max_tokens=2000, concurrency=16)
-    res = run_pd(w, mem_kind="VRAM", prefill_gpu=0, decode_gpu=DECODE_GPU)
+    res = run_pd(w, mem_kind="VRAM", prefill_gpu=0, decode_gpu=DECODE_GPU, preconnect=True)
     assert_clean(res)
     assert _paths(res) == {"ipc"}
     # the prefill said it writes in one pass: the decode granted no staging slots (none

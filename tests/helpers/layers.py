@@ -20,7 +20,7 @@ def mark_layers(items: list[pytest.Item]) -> None:
 def pytest_report_header() -> str:
     """Which SGLang release (and contract module) this run tests: the CI matrix runs the
     suite once per supported release."""
-    from sgl_nixl_plugin import compat
+    from sgl_nixl_plugin.adapter import release_gate
 
-    found = compat.installed_sglang_version()
-    return f"SGLang {found} (contract {compat.contract_for(found)})"
+    found = release_gate.installed_sglang_version()
+    return f"SGLang {found} (contract {release_gate.contract_for(found)})"

@@ -41,7 +41,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from sgl_nixl_plugin import __version__, compat
+from sgl_nixl_plugin import __version__
+from sgl_nixl_plugin.adapter import release_gate
 
 from .procs import ProcessGroup
 from .stack import (
@@ -112,7 +113,7 @@ class Config:
 #: page size 1; later releases allocate on the CPU too.
 CPU_PAGE_SIZES = (
     (1,)
-    if compat.contract_for(compat.installed_sglang_version()) == "sglang_0_5_21"
+    if release_gate.contract_for(release_gate.installed_sglang_version()) == "sglang_0_5_21"
     else (1, 16, 64)
 )
 

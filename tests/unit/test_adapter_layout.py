@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from sglang.srt.disaggregation.base.conn import KVArgs
 
-from sgl_nixl_plugin.adapter.memory import (
+from sgl_nixl_plugin.sides.memory import (
     HeadLayout,
     compat_of,
     decode_heads,
@@ -169,7 +169,7 @@ def test_mla_across_page_sizes_compares_bytes_per_token() -> None:
 def test_states_indexed_by_pages_are_named_and_per_request_ones_are_not() -> None:
     from sglang.srt.disaggregation.base.conn import StateType
 
-    from sgl_nixl_plugin.adapter.memory import page_bound_states
+    from sgl_nixl_plugin.sides.memory import page_bound_states
 
     a = KVArgs()
     a.state_types = [StateType.MAMBA, StateType.SWA]

@@ -17,7 +17,7 @@ import pytest
 import zmq
 from helpers.zmq_pair import loopback_pair
 
-from sgl_nixl_plugin.adapter.control_loop import ControlLoop
+from sgl_nixl_plugin.transport.control_loop import ControlLoop
 
 
 class SleepyLoop(ControlLoop):

@@ -18,7 +18,7 @@ import pytest
 import zmq
 from helpers.zmq_pair import loopback_pair
 
-from sgl_nixl_plugin.adapter.control_loop import ControlLoop
+from sgl_nixl_plugin.transport.control_loop import ControlLoop
 
 INTERVAL_S = 0.2
 
@@ -59,7 +59,7 @@ def sockets() -> Iterator[tuple[zmq.Context, Any, Any]]:
 @pytest.fixture
 def captured() -> Iterator[Captured]:
     handler = Captured()
-    log = logging.getLogger("sgl_nixl_plugin.adapter.control_loop")
+    log = logging.getLogger("sgl_nixl_plugin.transport.control_loop")
     log.addHandler(handler)
     yield handler
     log.removeHandler(handler)

@@ -17,13 +17,13 @@ import zmq
 from helpers.waiting import poll_until
 from helpers.zmq_pair import loopback_pair
 
-from sgl_nixl_plugin.adapter.decode import (
+from sgl_nixl_plugin.settings import Settings
+from sgl_nixl_plugin.sides.decode_listener import (
     BUSY_POLL_MS,
     IDLE_POLL_MS,
     WARMUP_POLL_MS,
     DecodeListener,
 )
-from sgl_nixl_plugin.settings import Settings
 
 
 class Side:

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from sgl_nixl_plugin.adapter.decode_staging import DecodeStaging, SlotMessenger
 from sgl_nixl_plugin.engine.staging import StagingBuffer
 from sgl_nixl_plugin.protocol.decode_rooms import DecodeRooms
+from sgl_nixl_plugin.sides.decode_staging import DecodeStaging, SlotMessenger
 from sgl_nixl_plugin.wire.messages import PieceReady
 
 P5 = ("127.0.0.1", 5)

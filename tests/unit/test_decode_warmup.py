@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 from helpers.waiting import poll_until
 
-from sgl_nixl_plugin.adapter import bootstrap_client, decode_warmup
-from sgl_nixl_plugin.adapter.decode_warmup import DecodeWarmup, StartupRegistration
 from sgl_nixl_plugin.settings import prefill_addrs
+from sgl_nixl_plugin.sides import decode_warmup
+from sgl_nixl_plugin.sides.decode_warmup import DecodeWarmup, StartupRegistration
+from sgl_nixl_plugin.transport import bootstrap_client
 
 ADDR = "127.0.0.1:8998"
 
@@ -133,7 +134,7 @@ def test_the_ranks_a_warm_up_linked_are_known_until_one_is_lost(monkeypatch):
 
 
 def test_a_decode_knows_the_warm_links_besides_sglangs_routes():
-    from sgl_nixl_plugin.adapter.decode_policy import DecodePolicy
+    from sgl_nixl_plugin.sides.decode_policy import DecodePolicy
 
     routes = {("127.0.0.1", 9000)}
     warm = {("127.0.0.1", 9000), ("127.0.0.1", 9010)}

@@ -125,7 +125,7 @@ def test_values_are_parsed_by_kind(monkeypatch, tmp_path) -> None:
     assert settings.secret_vars_set() == [NEW + "SECRET", NEW + "SECRET_FILE"]
     monkeypatch.setenv(NEW + "SGLANG_VERSION_OVERRIDE", " 9.9.9 ")
     assert settings.sglang_version_override() == "9.9.9"
-    from sgl_nixl_plugin.compat import installed_sglang_version
+    from sgl_nixl_plugin.adapter.release_gate import installed_sglang_version
 
     assert installed_sglang_version() == "9.9.9"
     monkeypatch.setenv(NEW + "TEST_TIMEOUT_SCALE", "3")

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import zmq
 
-from sgl_nixl_plugin.adapter.liveness import Endpoint, PeerWatch
+from sgl_nixl_plugin.transport.liveness import Endpoint, PeerWatch
 
 INTERVAL_S, MISSES, STALL_S = 0.1, 3, 2.0
 DEADLINE_S = INTERVAL_S * MISSES

@@ -16,8 +16,6 @@ MAX_LINES = 500
 ALLOWED_OVER = frozenset(
     {
         "sgl_nixl_plugin/bench/rank.py",  # the bench rank loops (run_prefill, run_decode)
-        "sgl_nixl_plugin/adapter/prefill_control.py",  # adapter/ is being reorganised apart
-        "sgl_nixl_plugin/adapter/transfer_worker.py",  # likewise
     }
 )
 

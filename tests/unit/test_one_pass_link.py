@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sgl_nixl_plugin.adapter.one_pass import allowed
 from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.layout import Geometry, RegionSet
 from sgl_nixl_plugin.engine.one_pass import OnePassLink
 from sgl_nixl_plugin.settings import Settings
+from sgl_nixl_plugin.sides.one_pass import allowed
 
 
 class _Mapping:

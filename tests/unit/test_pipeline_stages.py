@@ -1,10 +1,10 @@
-"""Which decode KV regions a prefill pipeline stage writes (``adapter.pipeline_stages``)."""
+"""Which decode KV regions a prefill pipeline stage writes (``sides.pipeline_stages``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from sgl_nixl_plugin.adapter.pipeline_stages import DecodeStage, PrefillStage, decode_kv_window
+from sgl_nixl_plugin.sides.pipeline_stages import DecodeStage, PrefillStage, decode_kv_window
 
 
 def _stage(first: int, layers: int, *, mla: bool = False, **kw: int | bool) -> PrefillStage:

@@ -22,10 +22,10 @@ import zmq
 from helpers.waiting import poll_until
 from helpers.zmq_pair import loopback_pair
 
-from sgl_nixl_plugin.adapter.pipeline_stages import PrefillStage
-from sgl_nixl_plugin.adapter.prefill_control import PrefillControl
 from sgl_nixl_plugin.protocol.peers import DecodePeers
 from sgl_nixl_plugin.settings import Settings
+from sgl_nixl_plugin.sides.pipeline_stages import PrefillStage
+from sgl_nixl_plugin.sides.prefill_control import PrefillControl
 from sgl_nixl_plugin.wire.codec import Codec
 from sgl_nixl_plugin.wire.messages import (
     PROTOCOL_VERSION,
@@ -133,7 +133,7 @@ def prefill() -> Iterator[tuple[PrefillControl, Any, list[tuple[str, Any]], list
             ctl.stop()
             ctl.thread.join(BOUND_S)
             if hasattr(ctl, "setup"):
-                ctl.setup.thread.join(BOUND_S)
+                ctl.registrations.setup.thread.join(BOUND_S)
             for s in decode_socks:
                 s.close(0)
 
@@ -193,7 +193,7 @@ def test_a_registration_repeated_during_its_setup_is_answered_after_it(prefill):
     )
     replies = [m for _, m in log if isinstance(m, RegistrationReply)]
     assert all(r.agent_name == "decode-a" and r.accepted for r in replies)
-    assert ctl.setup.completed == 1  # the repeat kept the link: set up once
+    assert ctl.registrations.setup.completed == 1  # the repeat kept the link: set up once
 
 
 @pytest.mark.parametrize("request_waits", [True, False])
@@ -210,11 +210,13 @@ def test_a_decode_whose_first_request_waits_gets_a_one_item_warm_up(prefill, req
     if request_waits:
         req = TransferRequest(7, "decode-a", "127.0.0.1", port_a, -1, 1, is_dummy=True)
         push.send_multipart(codec.encode(req))
-        poll_until(lambda: "decode-a" in ctl._request_waits, timeout=BOUND_S, interval=0.002)
+        poll_until(
+            lambda: "decode-a" in ctl.registrations.request_waits, timeout=BOUND_S, interval=0.002
+        )
     push.send_multipart(codec.encode(Ping("decode-c", "127.0.0.1", 1, 3)))
     _until(log, "a pong while linking", lambda m: isinstance(m, Pong))
     engine.link_release.set()
     _until(log, "decode-a's reply", lambda m: isinstance(m, RegistrationReply))
     assert engine.warm_items == ([1] if request_waits else [None])
     assert (ctl.ctx.warmups, ctl.ctx.light_warmups) == (1, int(request_waits))
-    assert not ctl._request_waits  # forgotten once the setup is done
+    assert not ctl.registrations.request_waits  # forgotten once the setup is done

@@ -11,14 +11,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sgl_nixl_plugin.adapter.context import Identity, PrefillContext
-from sgl_nixl_plugin.adapter.prefill_control import PrefillControl
-from sgl_nixl_plugin.adapter.transfer_worker import StagedJob, TransferWorker
 from sgl_nixl_plugin.engine.agent import Xfer
 from sgl_nixl_plugin.engine.one_pass import KernelXfer
 from sgl_nixl_plugin.protocol.peers import DecodePeer
 from sgl_nixl_plugin.protocol.prefill_rooms import Chunk, TransferInfo
 from sgl_nixl_plugin.settings import Settings
+from sgl_nixl_plugin.sides.context import Identity, PrefillContext
+from sgl_nixl_plugin.sides.prefill_control import PrefillControl
+from sgl_nixl_plugin.sides.staged_path import StagedJob
+from sgl_nixl_plugin.sides.transfer_worker import TransferWorker
 from sgl_nixl_plugin.wire.codec import Codec
 from sgl_nixl_plugin.wire.messages import Abort
 
@@ -265,7 +266,7 @@ def test_a_finished_room_reports_where_its_time_went(side, monkeypatch, caplog):
     """One DEBUG line per room and ``TransferEvent.timeline``: each step's milliseconds,
     in order (ready, first chunk, first WRITE, WRITEs), adding up to the wall time."""
     events: list[Any] = []
-    monkeypatch.setattr("sgl_nixl_plugin.adapter.context.registry.notify_transfer", events.append)
+    monkeypatch.setattr("sgl_nixl_plugin.sides.context.registry.notify_transfer", events.append)
     _destination(side)
     rec = side.ctx.rooms.get(ROOM)
     rec.ready_at, rec.started = rec.started, rec.started - 1e-3  # filed 1 ms before ready
@@ -274,7 +275,7 @@ def test_a_finished_room_reports_where_its_time_went(side, monkeypatch, caplog):
     rec.last_chunk_at -= 2e-3  # the last chunk came 2 ms before the end
     for x in side.engine.posted:
         x.state = "DONE"
-    with caplog.at_level("DEBUG", logger="sgl_nixl_plugin.adapter.context"):
+    with caplog.at_level("DEBUG", logger="sgl_nixl_plugin.sides.context"):
         side.worker._poll()
     assert side.sg.concluded == [(ROOM, "success")]
     (event,) = events
@@ -294,7 +295,7 @@ def test_a_decode_prefix_must_end_on_a_prefill_page_across_page_sizes():
     """SGLang's prefill sends from the decode's cached prefix on, in its own pages: with
     other page sizes that prefix (a whole number of decode pages) must also end on a
     prefill page, or the pairing would put the first page's tokens one offset off."""
-    from sgl_nixl_plugin.adapter.prefill_control import _prefix_misaligned
+    from sgl_nixl_plugin.sides.prefill_requests import _prefix_misaligned
 
     assert _prefix_misaligned(0, (16, 64)) is None
     assert _prefix_misaligned(None, (16, 64)) is None
@@ -331,7 +332,7 @@ def test_a_staged_chunk_gathers_before_the_aux_and_state_writes_are_posted(side,
         order.append(group)
         return real_write(link, group, src, dst)
 
-    monkeypatch.setattr(side.worker, "_staged", staged)
+    monkeypatch.setattr(side.worker.staged, "job_for", staged)
     monkeypatch.setattr(side.engine, "write", write)
     info = TransferInfo(ROOM, AGENT, "127.0.0.1", 7001, np.arange(4), 3, [np.array([5])], 1, False)
     side.sg.add_destination(info)
@@ -488,7 +489,7 @@ def test_a_chunk_submitted_while_its_decode_is_dropped_never_ends_in_success(sid
         side.worker._submit(_chunk())
 
     monkeypatch.setattr(engine, "unlink", unlink_then_the_worker_runs)
-    control.drop_peer(AGENT, "closed its connection")
+    control.registrations.drop(AGENT, "closed its connection")
     assert engine.agent.posted == []
     assert [c for c in side.sg.concluded if c[1] == "success"] == [], side.sg.concluded
     assert side.sg.concluded and side.sg.status[ROOM] == FAILED

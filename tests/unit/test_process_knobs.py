@@ -1,5 +1,5 @@
 """The settings that change SGLang's process: the plugin's log level and the GIL switch
-interval, applied when a manager starts (``adapter.process_knobs``)."""
+interval, applied when a manager starts (``sides.process_knobs``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from sgl_nixl_plugin.adapter.process_knobs import apply_process_knobs
 from sgl_nixl_plugin.settings import Settings
+from sgl_nixl_plugin.sides.process_knobs import apply_process_knobs
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def test_unset_changes_nothing(restored) -> None:
 def test_log_level_reaches_the_room_lines_and_no_other_logger(restored, monkeypatch) -> None:
     root = logging.getLogger()
     monkeypatch.setattr(root, "level", logging.INFO)  # what SGLang's --log-level info sets
-    room_logger = logging.getLogger("sgl_nixl_plugin.adapter.context")
+    room_logger = logging.getLogger("sgl_nixl_plugin.sides.context")
     assert not room_logger.isEnabledFor(logging.DEBUG)
     changed = apply_process_knobs(Settings(log_level="DEBUG"))
     assert changed == ["plugin log level DEBUG"]

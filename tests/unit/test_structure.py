@@ -1,10 +1,11 @@
 """The package's shape, read from its source with ``ast`` (nothing of it is imported):
 
-* only ``sgl_nixl_plugin/adapter/`` imports SGLang;
+* only ``sgl_nixl_plugin/adapter/`` (the SGLang facade) imports SGLang;
 * the internal import graph has no cycle;
 * imports between the subpackages follow the layers: ``engine`` <- ``wire`` <- ``protocol``
-  <- ``adapter`` <- ``cli``, with ``registry`` and ``bridge`` beside them and ``bench``
-  above the adapter (it drives SGLang's classes through ``adapter.harness``).
+  <- ``transport`` <- ``sides`` <- ``adapter`` <- ``bench`` <- ``cli``, with ``registry``
+  beside them (it imports nothing of the package) and ``bridge`` (SGLang's entry point)
+  using only the registry, the settings and the adapter's hooks and release gate.
 
 Every ``import`` counts, at any depth: module level, inside functions and under
 ``if TYPE_CHECKING:``. A type-only import still ties the two modules together.
@@ -224,12 +225,12 @@ def test_package_import_graph_has_no_cycle() -> None:
 # -- layers ------------------------------------------------------------------------------
 
 #: Modules that import nothing of the package (checked below), so any layer may use them
-#: without an arrow pointing up or a cycle becoming possible: the Prometheus metrics and the
-#: plain dataclasses of the backend registry (BackendSpec, AgentConfig, TransferEvent: what
-#: third-party hooks hand in, e.g. the NIXL AgentConfig the engine is built with).
-#: ``settings`` imports nothing of the package either but is no leaf here: reading the
-#: operator's configuration stays above the adapter line (engine, wire and protocol get values).
-LEAVES = frozenset({f"{PACKAGE}.metrics", f"{PACKAGE}.registry.spec"})
+#: without an arrow pointing up or a cycle becoming possible: only the Prometheus metrics,
+#: which every layer reports to (a shared leaf, not an exception: it imports nothing of the
+#: package). ``settings`` imports nothing of the package either but is no leaf here: reading
+#: the operator's configuration stays above the transport (engine, wire, protocol and the
+#: transport get values).
+LEAVES = frozenset({f"{PACKAGE}.metrics"})
 
 #: Importable from anywhere too: the package's ``__init__`` (``__version__``, and the
 #: registry's public names, re-exported lazily). It may import only ``registry`` (its row
@@ -239,26 +240,37 @@ ANYONE = LEAVES | {PACKAGE}
 #: What each part may import besides itself and LEAVES: a top-level subpackage or module
 #: name, or a dotted ``part.module`` for one module of another part.
 ALLOWED: dict[str, frozenset[str]] = {
-    # bottom: NIXL agent, descriptors, staging, copy kernels
+    # bottom: NIXL agent, descriptors, staging, copy kernels; takes the agent's settings as
+    # a protocol of its own (``engine.agent.AgentSettings``) that the registry's AgentConfig
+    # satisfies
     "engine": frozenset(),
     # the messages on the wire, built over the engine's regions
     "wire": frozenset({"engine"}),
     # the SGLang-free transfer protocol (state machines over engine and wire)
     "protocol": frozenset({"engine", "wire"}),
-    # the SGLang facade; bridge.entry for its start-up line (announce), settings for the
-    # operator's configuration (secrets, staging sizes), registry for the backend hooks,
-    # compat for which release module serves the installed SGLang
+    # moving messages between ranks (ZMQ, liveness, the bootstrap's HTTP client): no policy
+    "transport": frozenset({"engine", "wire"}),
+    # the per-side threads and their policy, SGLang-free (SGLang's room tables come in as
+    # the sides.room_tables protocol); settings for the operator's configuration, registry
+    # for the observer hooks
+    "sides": frozenset({"engine", "wire", "protocol", "transport", "registry", "settings"}),
+    # the SGLang facade: SGLang's classes built over the sides; registry for the backend
+    # hooks
     "adapter": frozenset(
-        {"engine", "wire", "protocol", "registry", "settings", "bridge.entry", "compat"}
+        {"engine", "wire", "protocol", "transport", "sides", "registry", "settings"}
     ),
     # drives SGLang's classes through the facade (adapter.harness); observes via registry
-    "bench": frozenset({"engine", "wire", "protocol", "adapter", "registry", "settings"}),
+    "bench": frozenset(
+        {"engine", "wire", "protocol", "transport", "sides", "adapter", "registry", "settings"}
+    ),
     # the command line may use everything
     "cli": frozenset(
         {
             "engine",
             "wire",
             "protocol",
+            "transport",
+            "sides",
             "adapter",
             "registry",
             "bridge",
@@ -270,14 +282,15 @@ ALLOWED: dict[str, frozenset[str]] = {
     "__main__": frozenset({"cli"}),
     # beside the layers: the third-party plugin API, SGLang-free
     "registry": frozenset(),
-    # SGLang's entry point: gates on the version, then installs adapter.hooks (lazily)
-    "bridge": frozenset({"registry", "compat", "settings", "adapter.hooks"}),
+    # SGLang's entry point: gates on the version (adapter.release_gate), then installs
+    # adapter.hooks (both lazily)
+    "bridge": frozenset({"registry", "settings", "adapter.hooks", "adapter.release_gate"}),
     # the package's __init__: __version__ and the registry's public names
     "": frozenset({"registry"}),
-    # top-level modules: the SGLang version/signature gate, and the operator's configuration
-    # the interface check: the installed release's module and its signatures
-    "compat": frozenset({"settings", "adapter.contract"}),
+    # top-level modules: the operator's configuration, and the old name of the release gate
+    # (the same module object; only cli/doctor.py still uses it)
     "settings": frozenset(),
+    "compat": frozenset({"adapter.release_gate"}),
     "metrics": frozenset(),
 }
 

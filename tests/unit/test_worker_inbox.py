@@ -19,7 +19,7 @@ from helpers.subproc import python_argv, run
 _SCRIPT = textwrap.dedent(
     """
     import queue, signal, time
-    from sgl_nixl_plugin.adapter.transfer_worker import TransferWorker
+    from sgl_nixl_plugin.sides.transfer_worker import TransferWorker
 
     inbox = TransferWorker(ctx=None, index=0).queue
     inbox.put(1)

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from sgl_nixl_plugin import compat
+from sgl_nixl_plugin.adapter import release_gate
 
 from ._harness import wait_for
 
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.timeout(60)
 #: trackers and ACK targets); 0.5.21 has none. Its abort path is checked by
 #: test_decode_abort_is_acked_by_our_prefill_and_releases_the_pages and tests/e2e.
 generations = pytest.mark.skipif(
-    compat.contract_for(compat.installed_sglang_version()) == "sglang_0_5_21",
+    release_gate.contract_for(release_gate.installed_sglang_version()) == "sglang_0_5_21",
     reason="SGLang 0.5.21's abort ACKs carry no generation",
 )
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
-from sgl_nixl_plugin.adapter.control_loop import ControlLoop
-from sgl_nixl_plugin.adapter.decode_policy import DecodePolicy
-from sgl_nixl_plugin.adapter.liveness import Endpoint
+from sgl_nixl_plugin.sides.decode_policy import DecodePolicy
+from sgl_nixl_plugin.transport.control_loop import ControlLoop
+from sgl_nixl_plugin.transport.liveness import Endpoint
 from sgl_nixl_plugin.wire.codec import ForeignReply
 from sgl_nixl_plugin.wire.messages import (
     AbortAck,
@@ -68,6 +69,17 @@ class DecodeListener(ControlLoop):
         self._poll_ms = IDLE_POLL_MS
         self._recheck_at = 0.0  # when a loop that is not idle next asks whether it still is
         self._expected = 0  # bumped by every expect_data (another thread)
+        #: message type -> handler, in the order ``_dispatch`` tries them
+        self._handlers: tuple[tuple[type | tuple[type, ...], Callable[[Any], None]], ...] = (
+            (TransferStatus, self._on_status),
+            (PieceReady, self._on_piece),
+            (SlotAsk, self._on_slot_ask),
+            (SlotReturn, self._on_slot_return),
+            (Pong, self._on_pong),
+            (AbortAck, self._on_abort_ack),
+            ((RegistrationReply, ForeignReply), self._on_reply),
+            (Ping, self._on_ping),
+        )
 
     def expect_data(self, warmup: bool = False) -> None:
         """Data is due (a transfer request went out, or a warm-up registration): progress
@@ -112,65 +124,98 @@ class DecodeListener(ControlLoop):
         return pending
 
     def _dispatch(self, msg: Any) -> None:
-        ctx, staging, rooms = self.ctx, self.ctx.staging, self.ctx.rooms
-        if isinstance(msg, TransferStatus):
-            rooms.mark(msg.room, "status")
-            if staging is not None and rooms.is_staged(msg.room):
-                staging.submit(msg)  # after the room's pieces already queued for scatter
-            else:
-                ctx.sglang.apply_status(msg.room, msg.status, msg.prefill_rank, msg.reason)
-                rooms.mark(msg.room, "applied")
-        elif isinstance(msg, PieceReady | SlotAsk | SlotReturn) and staging is None:
-            ctx.reject("unexpected", f"{type(msg).__name__} without staging")
-        elif isinstance(msg, PieceReady):
-            staging.submit(msg)
-        elif isinstance(msg, SlotAsk):
-            ok, grants, recalls = rooms.ask(msg.room, (msg.ip, msg.port))
-            if not ok:
-                ctx.reject("bad_ask", f"room {msg.room} from {msg.ip}:{msg.port}")
-            staging.messenger(grants, recalls)
-        elif isinstance(msg, SlotReturn):
-            bad, grants = rooms.take_back(msg.room, (msg.ip, msg.port), list(msg.slots))
-            if bad:
-                ctx.reject("bad_return", f"room {msg.room} slots {bad} from {msg.ip}:{msg.port}")
-            staging.messenger(grants)
-        elif isinstance(msg, Pong):
-            self.watch.replied((msg.ip, msg.port))
-        elif isinstance(msg, AbortAck):
-            if staging is not None and rooms.is_staged(msg.room):
-                # Behind the room's pieces already queued for scatter: the pages are only
-                # released once nothing more will be written into them.
-                staging.submit(msg)
-            else:
-                if msg.ip:
-                    rooms.abort_acked(msg.room, (msg.ip, msg.port))
-                ctx.sglang.note_abort_ack(msg.room, msg.prefill_rank, msg.generation)
-        elif isinstance(msg, RegistrationReply | ForeignReply):
-            if ctx.warmup is not None:
-                accepted = isinstance(msg, RegistrationReply) and msg.accepted and not msg.retry
-                ctx.warmup.replied((msg.ip, msg.port), accepted)
-            if isinstance(msg, RegistrationReply) and msg.retry:
-                self.side.forget_endpoint((msg.ip, msg.port))  # it lost our registration
-            elif not msg.accepted:
-                self.side.on_refused((msg.ip, msg.port), msg.reason)
-            elif isinstance(msg, RegistrationReply):
-                endpoint = (msg.ip, msg.port)
-                if msg.one_pass:
-                    ctx.one_pass.add(endpoint)
-                else:
-                    ctx.one_pass.discard(endpoint)
-                if msg.one_pass and msg.done_flags and ctx.flags is not None:
-                    ctx.flag_ranks[endpoint] = msg.prefill_rank
-                else:
-                    ctx.flag_ranks.pop(endpoint, None)
-                if staging is not None:
-                    # before any piece of that rank: its pieces come after this reply
-                    staging.set_window(endpoint, tuple(msg.kv_window))
-        elif isinstance(msg, Ping):
-            me = ctx.me
-            ctx.send((msg.ip, msg.port), Pong(me.name, msg.seq, me.ip, me.port))
+        """Hand ``msg`` to its handler: the first of ``_handlers`` whose type it is."""
+        for kind, handler in self._handlers:
+            if isinstance(msg, kind):
+                handler(msg)
+                return
+        self.ctx.reject("unexpected", type(msg).__name__)
+
+    def _on_status(self, msg: TransferStatus) -> None:
+        rooms, staging = self.ctx.rooms, self.ctx.staging
+        rooms.mark(msg.room, "status")
+        if staging is not None and rooms.is_staged(msg.room):
+            staging.submit(msg)  # after the room's pieces already queued for scatter
         else:
-            ctx.reject("unexpected", type(msg).__name__)
+            self.ctx.sglang.apply_status(msg.room, msg.status, msg.prefill_rank, msg.reason)
+            rooms.mark(msg.room, "applied")
+
+    def _staging_for(self, msg: Any) -> Any:
+        """This decode's staging, or None (and ``msg`` rejected) when it has none."""
+        if self.ctx.staging is None:
+            self.ctx.reject("unexpected", f"{type(msg).__name__} without staging")
+        return self.ctx.staging
+
+    def _on_piece(self, msg: PieceReady) -> None:
+        staging = self._staging_for(msg)
+        if staging is not None:
+            staging.submit(msg)
+
+    def _on_slot_ask(self, msg: SlotAsk) -> None:
+        staging = self._staging_for(msg)
+        if staging is None:
+            return
+        ok, grants, recalls = self.ctx.rooms.ask(msg.room, (msg.ip, msg.port))
+        if not ok:
+            self.ctx.reject("bad_ask", f"room {msg.room} from {msg.ip}:{msg.port}")
+        staging.messenger(grants, recalls)
+
+    def _on_slot_return(self, msg: SlotReturn) -> None:
+        staging = self._staging_for(msg)
+        if staging is None:
+            return
+        bad, grants = self.ctx.rooms.take_back(msg.room, (msg.ip, msg.port), list(msg.slots))
+        if bad:
+            self.ctx.reject("bad_return", f"room {msg.room} slots {bad} from {msg.ip}:{msg.port}")
+        staging.messenger(grants)
+
+    def _on_pong(self, msg: Pong) -> None:
+        self.watch.replied((msg.ip, msg.port))
+
+    def _on_ping(self, msg: Ping) -> None:
+        me = self.ctx.me
+        self.ctx.send((msg.ip, msg.port), Pong(me.name, msg.seq, me.ip, me.port))
+
+    def _on_abort_ack(self, msg: AbortAck) -> None:
+        ctx, rooms = self.ctx, self.ctx.rooms
+        if ctx.staging is not None and rooms.is_staged(msg.room):
+            # Behind the room's pieces already queued for scatter: the pages are only
+            # released once nothing more will be written into them.
+            ctx.staging.submit(msg)
+            return
+        if msg.ip:
+            rooms.abort_acked(msg.room, (msg.ip, msg.port))
+        ctx.sglang.note_abort_ack(msg.room, msg.prefill_rank, msg.generation)
+
+    def _on_reply(self, msg: RegistrationReply | ForeignReply) -> None:
+        """A prefill rank's answer to our registration (in another version's envelope:
+        ``ForeignReply``, always a refusal)."""
+        ctx = self.ctx
+        if ctx.warmup is not None:
+            accepted = isinstance(msg, RegistrationReply) and msg.accepted and not msg.retry
+            ctx.warmup.replied((msg.ip, msg.port), accepted)
+        if isinstance(msg, RegistrationReply) and msg.retry:
+            self.side.forget_endpoint((msg.ip, msg.port))  # it lost our registration
+        elif not msg.accepted:
+            self.side.on_refused((msg.ip, msg.port), msg.reason)
+        elif isinstance(msg, RegistrationReply):
+            self._on_accepted(msg)
+
+    def _on_accepted(self, msg: RegistrationReply) -> None:
+        """Note how the prefill rank will write to us: one pass (with completion flags or
+        not), and which of our layers (its pipeline window)."""
+        ctx, endpoint = self.ctx, (msg.ip, msg.port)
+        if msg.one_pass:
+            ctx.one_pass.add(endpoint)
+        else:
+            ctx.one_pass.discard(endpoint)
+        if msg.one_pass and msg.done_flags and ctx.flags is not None:
+            ctx.flag_ranks[endpoint] = msg.prefill_rank
+        else:
+            ctx.flag_ranks.pop(endpoint, None)
+        if ctx.staging is not None:
+            # before any piece of that rank: its pieces come after this reply
+            ctx.staging.set_window(endpoint, tuple(msg.kv_window))
 
     def check_liveness(self) -> None:
         ctx, side = self.ctx, self.side

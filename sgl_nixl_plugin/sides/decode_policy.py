@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from sgl_nixl_plugin.adapter.context import DecodeContext
-from sgl_nixl_plugin.adapter.sglang_rooms import close_receiver_socket, receiver_socket_urls, tcp
+from sgl_nixl_plugin.sides.context import DecodeContext
 from sgl_nixl_plugin.wire.messages import Abort
 
 logger = logging.getLogger(__name__)
@@ -79,20 +78,22 @@ class DecodePolicy:
         for ``grace_s`` after it left ``keep`` or after its prefill refused this decode,
         so that aborts queued on it still leave. Returns the URLs closed.
         """
-        now = time.monotonic()
-        kept = {tcp(ep)[0] for ep in keep}
-        recent = {tcp(ep)[0] for ep, (_, at) in self.ctx.refused.items() if now - at < grace_s}
+        now, sg = time.monotonic(), self.ctx.sglang
+        kept = {sg.socket_url(ep) for ep in keep}
+        recent = {
+            sg.socket_url(ep) for ep, (_, at) in self.ctx.refused.items() if now - at < grace_s
+        }
         closed = []
-        for url in receiver_socket_urls():
+        for url in sg.socket_urls():
             if url in kept or url in recent:
                 self._unused_since.pop(url, None)
                 continue
             since = self._unused_since.setdefault(url, now)
             if now - since >= grace_s:
-                close_receiver_socket(url, RETIRE_LINGER_MS)
+                sg.close_socket(url, RETIRE_LINGER_MS)
                 del self._unused_since[url]
                 closed.append(url)
-        for url in set(self._unused_since) - receiver_socket_urls():
+        for url in set(self._unused_since) - sg.socket_urls():
             del self._unused_since[url]  # closed by someone else
         if closed:
             logger.info("sgl-nixl: closed sockets to prefill ranks no route leads to: %s", closed)

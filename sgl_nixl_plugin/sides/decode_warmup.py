@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sgl_nixl_plugin.adapter import bootstrap_client
+from sgl_nixl_plugin.transport import bootstrap_client
 
 logger = logging.getLogger(__name__)
 

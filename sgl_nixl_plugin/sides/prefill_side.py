@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import threading
 
-from sgl_nixl_plugin.adapter.context import PrefillContext
-from sgl_nixl_plugin.adapter.prefill_control import PrefillControl
-from sgl_nixl_plugin.adapter.transfer_worker import TransferWorker
 from sgl_nixl_plugin.protocol.prefill_rooms import Chunk
+from sgl_nixl_plugin.sides.context import PrefillContext
+from sgl_nixl_plugin.sides.prefill_control import PrefillControl
+from sgl_nixl_plugin.sides.transfer_worker import TransferWorker
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,11 @@ class PrefillSide:
         self.ctx.rooms.release(room)
 
     def threads(self) -> list[threading.Thread]:
-        return [self.control.thread, self.control.setup.thread, *(w.thread for w in self.workers)]
+        return [
+            self.control.thread,
+            self.control.registrations.setup.thread,
+            *(w.thread for w in self.workers),
+        ]
 
     def stop(self) -> None:
         self.control.stop()

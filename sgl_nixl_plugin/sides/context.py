@@ -7,12 +7,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sgl_nixl_plugin import metrics
-from sgl_nixl_plugin.adapter.memory import HeadLayout
-from sgl_nixl_plugin.adapter.pipeline_stages import PrefillStage
-from sgl_nixl_plugin.adapter.transport import Transport
 from sgl_nixl_plugin.engine.engine import PeerLink, TransferEngine
 from sgl_nixl_plugin.engine.staging import StagingBuffer
 from sgl_nixl_plugin.protocol.decode_rooms import DecodeRooms
@@ -21,13 +18,14 @@ from sgl_nixl_plugin.protocol.prefill_rooms import EarlyAborts, PrefillRoom, Pre
 from sgl_nixl_plugin.registry import manager as registry
 from sgl_nixl_plugin.registry.spec import TransferEvent
 from sgl_nixl_plugin.settings import Settings
+from sgl_nixl_plugin.sides.memory import HeadLayout
+from sgl_nixl_plugin.sides.pipeline_stages import PrefillStage
+from sgl_nixl_plugin.sides.room_tables import RoomTables
+from sgl_nixl_plugin.transport.transport import Transport
 from sgl_nixl_plugin.wire.codec import Codec
 from sgl_nixl_plugin.wire.messages import Compat
 
 logger = logging.getLogger(__name__)
-
-if TYPE_CHECKING:  # the facade imports SGLang; the sides' logic runs without it (tests)
-    from sgl_nixl_plugin.adapter.sglang_rooms import SGLangRooms
 
 Endpoint = tuple[str, int]
 
@@ -49,7 +47,7 @@ class SideBase:
     codec: Codec
     transport: Transport
     engine: TransferEngine
-    sglang: SGLangRooms
+    sglang: RoomTables  # the facade's SGLangRooms; SGLang-free fakes in tests
     zmq_ctx: Any
     server_socket: Any
     mem_kind: str

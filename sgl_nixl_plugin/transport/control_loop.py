@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from sgl_nixl_plugin.adapter.liveness import Endpoint, PeerWatch, drain
+from sgl_nixl_plugin.transport.liveness import Endpoint, PeerWatch, drain
 
 logger = logging.getLogger(__name__)
 

@@ -5,16 +5,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
-from sgl_nixl_plugin.adapter.context import DecodeContext
-from sgl_nixl_plugin.adapter.decode import DecodeListener
-from sgl_nixl_plugin.adapter.decode_policy import DecodePolicy
-from sgl_nixl_plugin.adapter.decode_staging import SUCCESS, DecodeStaging
-from sgl_nixl_plugin.adapter.decode_warmup import StartupRegistration
+from sgl_nixl_plugin.sides.context import DecodeContext
+from sgl_nixl_plugin.sides.decode_listener import DecodeListener
+from sgl_nixl_plugin.sides.decode_policy import DecodePolicy
+from sgl_nixl_plugin.sides.decode_staging import SUCCESS, DecodeStaging
+from sgl_nixl_plugin.sides.decode_warmup import StartupRegistration
+from sgl_nixl_plugin.transport import bootstrap_client
 from sgl_nixl_plugin.wire.messages import StagingArea
 
 Endpoint = tuple[str, int]
@@ -42,10 +44,25 @@ class DecodeSide:
             self.ctx.staging.start()
         self.listener.start()
 
-    def register_at_start(self, startup: StartupRegistration) -> None:
-        """Register with the prefills an operator named, in a thread of its own."""
-        self.startup = startup
-        startup.start()
+    def register_at_start(self, addrs: tuple[str, ...], ensure: Callable[[str], bool]) -> None:
+        """Register with the prefills an operator named (``SGLANG_NIXL_PLUGIN_PREFILLS``),
+        each once it is up, in a thread of its own; ``ensure`` is SGLang's first look at a
+        prefill (``try_ensure_parallel_info``), which starts its warm-up."""
+        if not addrs:
+            return
+        settings = self.ctx.settings
+        if not settings.warmup:
+            logger.warning(
+                "sgl-nixl: SGLANG_NIXL_PLUGIN_PREFILLS is set but the warm-up is off "
+                "(SGLANG_NIXL_PLUGIN_WARMUP=0): this decode registers with prefills at their "
+                "first request only"
+            )
+            return
+        secret = settings.secret
+        self.startup = StartupRegistration(
+            addrs, lambda addr: bootstrap_client.prefill_up(addr, secret), ensure
+        )
+        self.startup.start()
 
     def staging_area(self) -> StagingArea | None:
         return self.ctx.staging.area() if self.ctx.staging is not None else None
