@@ -7,7 +7,8 @@ import importlib.metadata
 import os
 import warnings
 
-from sgl_nixl_plugin import __version__, compat, settings
+from sgl_nixl_plugin import __version__, settings
+from sgl_nixl_plugin.adapter import release_gate as compat
 from sgl_nixl_plugin.cli.doctor_report import CheckResult, DoctorContext
 
 #: The ``sglang.srt.plugins`` entry point SGLang must discover for the plugin to load.

@@ -276,7 +276,6 @@ ALLOWED: dict[str, frozenset[str]] = {
             "bridge",
             "bench",
             "settings",
-            "compat",
         }
     ),
     "__main__": frozenset({"cli"}),
@@ -287,10 +286,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "bridge": frozenset({"registry", "settings", "adapter.hooks", "adapter.release_gate"}),
     # the package's __init__: __version__ and the registry's public names
     "": frozenset({"registry"}),
-    # top-level modules: the operator's configuration, and the old name of the release gate
-    # (the same module object; only cli/doctor.py still uses it)
+    # top-level modules: the operator's configuration
     "settings": frozenset(),
-    "compat": frozenset({"adapter.release_gate"}),
     "metrics": frozenset(),
 }
 
