@@ -58,8 +58,8 @@ def summarize(result: SessionResult) -> dict[str, Any]:
         "latency_p99_ms": float(np.percentile(lat, 99) * 1e3) if len(lat) else 0.0,
         "first_request_ms": (handshake_s + after_ready_s) * 1e3,
         "handshake_ms": handshake_s * 1e3,
-        # its steps: SGLang's bootstrap query (info), the backend's own set-up before the
-        # first request goes (ready: ours registers, links and warms up), the route query
+        # its steps: SGLang's bootstrap query (info), the room's route query and its
+        # receiver's start (route); our set-up of the pair is inside the first transfer
         "handshake_parts_ms": {k: v * 1e3 for k, v in parts.items()},
         "steady_p50_ms": steady_p50,
         "first_vs_steady_p50": vs_steady(handshake_s + after_ready_s),
