@@ -41,7 +41,10 @@ import numpy as np
 from helpers.waiting import poll_until
 from sgl_nixl_plugin.adapter import harness
 from sgl_nixl_plugin.bench import procs
-from sgl_nixl_plugin.bench.rank import Pools, RankSpec, _setup, _tables
+from sgl_nixl_plugin.bench.driver import room_tables as _tables
+from sgl_nixl_plugin.bench.pools import Pools
+from sgl_nixl_plugin.bench.rank import RankSpec
+from sgl_nixl_plugin.bench.rank import setup as _setup
 from sgl_nixl_plugin.bench.session import LOOPBACK_ENV, free_port
 from sgl_nixl_plugin.bench.workload import (
     AUX_ITEM_BYTES,
