@@ -124,8 +124,16 @@ class DecodeDriver(SideDriver):
 
     role = "decode"
 
-    def __init__(self, spec: RankSpec, env: dict[str, Any], progress: Any = None) -> None:
-        """``progress(n)``: called with the number of rooms done as each one ends."""
+    def __init__(
+        self,
+        spec: RankSpec,
+        env: dict[str, Any],
+        progress: Any = None,
+        requests: list[Request] | None = None,
+    ) -> None:
+        """``progress(n)``: called with the number of rooms done as each one ends;
+        ``requests``: the rooms ``step()`` admits (None: the rank's share of the workload;
+        a harness that starts its rooms itself passes none)."""
         super().__init__(spec, env)
         self.started = time.perf_counter()  # time to ready: from here to the first request
         self.ready_s: float | None = None
@@ -145,8 +153,10 @@ class DecodeDriver(SideDriver):
         self.host_dst = harness.host_destination() if w.host_every else None
         if self.host_dst is not None and not mgr.supports_host_destination:
             raise RuntimeError("the decode manager does not support host KV destinations")
-        self.index_of = {r.room: i for i, r in enumerate(w.make_requests())}
-        self.pending = spec.my_requests()
+        # a room's index in the workload picks its prefill; a harness's rooms are its own
+        whole = w.make_requests() if requests is None else requests
+        self.index_of = {r.room: i for i, r in enumerate(whole)}
+        self.pending = spec.my_requests() if requests is None else list(requests)
         self.active: dict[int, DecodeRoom] = {}
         self.results: dict[int, dict[str, Any]] = {}
         self.held: dict[int, tuple[DecodeRoom, float]] = {}  # failed host / aborted rooms
@@ -209,20 +219,30 @@ class DecodeDriver(SideDriver):
             self.dp_ranks[room] = dp_rank
         return dp_rank
 
-    def _send(self, r: Request, addr: str, dp_rank: int, pages: np.ndarray) -> None:
+    def open_receiver(self, r: Request, addr: str, dp_rank: int) -> tuple[Any, int]:
+        """A receiver for ``r`` from the prefill at ``addr`` (SGLang's ``init``), and the
+        metadata slot it gets, its aux rows zeroed (the metadata gate reads them)."""
         slot = self.slots.pop()
         for buf, n in zip(self.pools.aux, AUX_ITEM_BYTES, strict=False):
             buf[slot * n : (slot + 1) * n] = 0
         receiver = self.cls["receiver"](mgr=self.mgr, bootstrap_addr=addr, bootstrap_room=r.room)
         receiver.init(dp_rank)
+        return receiver, slot
+
+    def send_metadata(self, receiver: Any, r: Request, pages: np.ndarray, slot: int) -> None:
+        """The request's pages and slot, into the host pool for a host room."""
         state = [np.array([slot], dtype=np.int32)] if r.with_state else None
-        t0 = time.perf_counter()
-        if self.ready_s is None:
-            self.ready_s = t0 - self.started
         if r.host:
             receiver.send_metadata(pages, slot, state, destination=self.host_dst)
         else:
             receiver.send_metadata(pages, slot, state)
+
+    def _send(self, r: Request, addr: str, dp_rank: int, pages: np.ndarray) -> None:
+        receiver, slot = self.open_receiver(r, addr, dp_rank)
+        t0 = time.perf_counter()
+        if self.ready_s is None:
+            self.ready_s = t0 - self.started
+        self.send_metadata(receiver, r, pages, slot)
         # the first room to each prefill waited for the handshake before its clock
         handshake, parts = self.clock.first_room(addr, t0)
         self.active[r.room] = DecodeRoom(
@@ -244,13 +264,14 @@ class DecodeDriver(SideDriver):
             # the ACKs its release waits for, one per prefill rank (SGLang's count)
             ctx.acks = len(getattr(ctx.receiver, "bootstrap_infos", None) or ())
             status = ctx.receiver.poll()
-        n = AUX_ITEM_BYTES[1]
-        if (
-            status == KVPoll.Success
-            and not self.pools.aux[1][ctx.slot * n : (ctx.slot + 1) * n].any()
-        ):
+        if status == KVPoll.Success and not self.aux_landed(ctx.slot):
             return None
         return status if status in (KVPoll.Success, KVPoll.Failed) else None
+
+    def aux_landed(self, slot: int) -> bool:
+        """Whether the slot's bootstrap_room aux row landed (SGLang's metadata gate)."""
+        n = AUX_ITEM_BYTES[1]
+        return bool(self.pools.aux[1][slot * n : (slot + 1) * n].any())
 
     def _poll(self, room: int, ctx: DecodeRoom) -> None:
         status = self._status(ctx)
@@ -307,15 +328,15 @@ class DecodeDriver(SideDriver):
         if r.host:
             res["host"] = True
         if self.spec.verify:
-            res.update(self.verify(room, ctx))
+            res.update(self.verify(r, ctx.pages, ctx.slot))
 
-    def verify(self, room: int, ctx: DecodeRoom) -> dict[str, int]:
+    def verify(self, r: Request, pages: np.ndarray, slot: int) -> dict[str, int]:
         """Bad pages (over every region), aux rows and state rows of a room that ended."""
-        r, pools, slot = ctx.req, self.pools, ctx.slot
+        room, pools = r.room, self.pools
         # across page sizes only the request's tokens travel (SGLang's num_kv_tokens);
         # equal pages travel whole
         tokens = r.tokens if self.spec.workload.pages_differ else None
-        out = {"bad_pages": pools.check(room, ctx.pages, r.host, tokens)}
+        out = {"bad_pages": pools.check(room, pages, r.host, tokens)}
         out["bad_aux"] = sum(
             int(not np.array_equal(buf[slot * n : (slot + 1) * n], aux_pattern(room, b, n)))
             for b, (buf, n) in enumerate(zip(pools.aux, AUX_ITEM_BYTES, strict=False))

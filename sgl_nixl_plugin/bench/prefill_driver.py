@@ -70,7 +70,19 @@ class PrefillDriver(SideDriver):
 
     role = "prefill"
 
-    def __init__(self, spec: RankSpec, env: dict[str, Any], bootstrap_host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        spec: RankSpec,
+        env: dict[str, Any],
+        requests: list[Request] | None = None,
+        bootstrap_host: str = "127.0.0.1",
+        reports: bool = True,
+    ) -> None:
+        """``requests``: the rooms ``step()`` opens (None: the rank's share of the workload;
+        a harness that opens its rooms itself passes none); ``bootstrap_host``: where a
+        rank that serves the bootstrap listens; ``reports``: keep each room's
+        ``TransferEvent`` for ``attach_reports`` (a long-lived harness passes False: they
+        would pile up over a soak's rooms)."""
         super().__init__(spec, env)
         self.server = None
         if spec.serve_bootstrap:
@@ -78,12 +90,13 @@ class PrefillDriver(SideDriver):
                 host=bootstrap_host, port=spec.bootstrap_port
             )
         self.collector = Collector()
-        registry.get_plugin_manager().register(self.collector)
+        if reports:
+            registry.get_plugin_manager().register(self.collector)
         self.open_manager()
         w = spec.workload
         self.pool = PagePool(self.pools.pages, seed=w.seed + 17 * spec.instance + 1)
         self.bootstrap_addr = f"127.0.0.1:{spec.bootstrap_port}"
-        self.pending = spec.my_requests()
+        self.pending = spec.my_requests() if requests is None else list(requests)
         self.active: dict[int, PrefillRoom] = {}
         self.results: dict[int, dict[str, Any]] = {}
         self.on_bound: Any = None
