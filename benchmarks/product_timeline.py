@@ -143,11 +143,11 @@ def _patch(cls: type, name: str, before: Any = None, after: Any = None) -> None:
 
 
 def _install(role: str, poll_wait_us: float, bell: bool) -> None:
-    import sgl_nixl_plugin.bench.rank as R
+    import sgl_nixl_plugin.bench.driver as R
     from sgl_nixl_plugin.adapter import harness
 
     wait_s = poll_wait_us * 1e-6
-    R._StatusBell.WAIT_S = wait_s  # the longest wait between two polls
+    R.StatusBell.WAIT_S = wait_s  # the longest wait between two polls
     if not bell:  # the loops as they were before the bell: a plain sleep between polls
 
         class Sleeper:
@@ -157,7 +157,7 @@ def _install(role: str, poll_wait_us: float, bell: bool) -> None:
             def wait(self, timeout_s: float | None = None) -> None:
                 time.sleep(wait_s if timeout_s is None else timeout_s)
 
-        R._StatusBell = Sleeper  # type: ignore[misc, assignment]
+        R.StatusBell = Sleeper  # type: ignore[misc, assignment]
 
     real_boot = harness.boot
 

@@ -4,7 +4,7 @@
 # of 4-8k tokens one at a time, on the one-pass path (page 16 and 1) and the staged path
 # (page 16), each with the decode learning the prefill from its first request and with
 # the decode naming it at start-up (--preconnect). The first request's clock starts at
-# the decode's request (bench/rank.py, run_decode); the bench prints its handshake parts.
+# the decode's request (bench/decode_driver.py, HandshakeClock); the bench prints its handshake parts.
 #
 #     bash ci/gpu_first_request.sh        # after ci/gpu_site.sh's two-call install
 #

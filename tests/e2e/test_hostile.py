@@ -190,7 +190,8 @@ class FakeDecode:
     Set ``UCX_NET_DEVICES=lo`` before creating one (the fixtures do)."""
 
     def __init__(self, w: Workload, *, instance: int = 0, secret: bytes | None = None) -> None:
-        from sgl_nixl_plugin.bench.rank import Pools, RankSpec
+        from sgl_nixl_plugin.bench.pools import Pools
+        from sgl_nixl_plugin.bench.rank import RankSpec
         from sgl_nixl_plugin.engine.engine import TransferEngine
         from sgl_nixl_plugin.registry import manager as registry
         from sgl_nixl_plugin.sides.memory import compat_of, memory_from_kv_args, to_regions

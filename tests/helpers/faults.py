@@ -6,9 +6,10 @@ what the others observe, restart a prefill on the same bootstrap server, abort f
 decode loop, run a soak inside one long-lived pair, or start ranks in network namespaces.
 
 Each rank is a process forked from the bench's preloaded forkserver (``bench.procs``), or a
-fresh interpreter under ``ip netns exec`` for a rank in a network namespace. It reuses the
-bench harness (``RankSpec``, ``Pools``, ``_setup``, ``_tables``, ``PagePool``, the byte
-patterns) and obeys commands sent over a socketpair (``multiprocessing.connection``). It
+fresh interpreter under ``ip netns exec`` for a rank in a network namespace. It steps the
+bench's own drivers (``PrefillDriver``, ``DecodeDriver``: pools, manager, allocators, the
+byte patterns and checks), its rooms opened by commands sent over a socketpair
+(``multiprocessing.connection``) instead of from the workload. It
 reports asynchronous events, every one stamped with ``time.time()`` taken in that process
 (all ranks run on one host, so wall clocks of different processes compare). Every process
 gets a hard deadline of its own (it exits by itself) and ``FaultCluster.close`` kills
@@ -31,7 +32,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -41,17 +42,16 @@ import numpy as np
 from helpers.waiting import poll_until
 from sgl_nixl_plugin.adapter import harness
 from sgl_nixl_plugin.bench import procs
-from sgl_nixl_plugin.bench.rank import Pools, RankSpec, _setup, _tables
+from sgl_nixl_plugin.bench.decode_driver import DecodeDriver
+from sgl_nixl_plugin.bench.pools import Pools
+from sgl_nixl_plugin.bench.prefill_driver import PrefillDriver, PrefillRoom
+from sgl_nixl_plugin.bench.rank import RankSpec, setup
 from sgl_nixl_plugin.bench.session import LOOPBACK_ENV, free_port
 from sgl_nixl_plugin.bench.workload import (
     AUX_ITEM_BYTES,
-    STATE_ITEM_BYTES,
-    PagePool,
     Request,
     Workload,
-    aux_pattern,
     pattern,
-    state_pattern,
 )
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])
@@ -543,19 +543,6 @@ def netns_pair() -> Iterator[NetnsPair]:
 
 
 @dataclass
-class _PRoom:
-    req: Request
-    sender: Any
-    pages: np.ndarray
-    slot: int
-    plan: str = "normal"  # normal | hold (send every chunk but the last until ``release``)
-    parts: list[np.ndarray] = field(default_factory=list)
-    next_part: int = 0
-    inited: bool = False
-    held: bool = False
-
-
-@dataclass
 class _DRoom:
     req: Request
     receiver: Any
@@ -676,7 +663,7 @@ class _BootstrapRank(_Rank):
         self, conn: Connection, spec: RankSpec, opts: dict[str, Any], deadline: float
     ) -> None:
         super().__init__(conn, spec, opts, deadline)
-        self.env = _setup(spec)
+        self.env = setup(spec)
         host = opts.get("bootstrap_host", "127.0.0.1")
         self.server = self.env["classes"]["bootstrap_server"](host=host, port=spec.bootstrap_port)
         self.emit("ready", pid=os.getpid(), port=spec.bootstrap_port)
@@ -685,42 +672,23 @@ class _BootstrapRank(_Rank):
         self.server.close()
 
 
-def _fill_slot(pools: Pools, room: int, slot: int, with_state: bool) -> None:
-    for b, buf in enumerate(pools.aux):
-        n = AUX_ITEM_BYTES[b]
-        buf[slot * n : (slot + 1) * n] = aux_pattern(room, b, n)
-    if with_state:
-        pools.state_row(slot)[:] = state_pattern(room, STATE_ITEM_BYTES)
-
-
 class _PrefillRank(_Rank):
+    """The bench's prefill driver, its rooms opened by the test (``expect``) instead of
+    from the workload, each room's arrival and end reported as events."""
+
     def __init__(
         self, conn: Connection, spec: RankSpec, opts: dict[str, Any], deadline: float
     ) -> None:
         super().__init__(conn, spec, opts, deadline)
-        from sglang.srt.disaggregation.base.conn import KVPoll
-        from sglang.srt.disaggregation.utils import DisaggregationMode
-
-        self.KVPoll = KVPoll
-        self.env = _setup(spec)
-        cls = self.cls = self.env["classes"]
-        self.pools = Pools(spec)
-        self.server = None
-        if spec.serve_bootstrap:
-            host = opts.get("bootstrap_host", "127.0.0.1")
-            self.server = cls["bootstrap_server"](host=host, port=spec.bootstrap_port)
-        self.mgr = cls["manager"](
-            self.pools.kv_args(cls["kvargs"], spec),
-            DisaggregationMode.PREFILL,
-            self.env["server_args"],
-            spec.workload.shape.mla,
+        self.env = setup(spec)
+        host = opts.get("bootstrap_host", "127.0.0.1")
+        self.driver = PrefillDriver(spec, self.env, requests=[], bootstrap_host=host, reports=False)
+        self.mgr = self.driver.mgr
+        if opts.get("report_bound"):  # the decode's request reached this rank
+            self.driver.on_bound = lambda room: self.emit("bound", room=room)
+        self.driver.on_done = lambda room, res: self.emit(
+            "done", room=room, ok=res["ok"], reason=res["reason"]
         )
-        self.page_pool = PagePool(
-            self.pools.pages, seed=spec.workload.seed + 17 * spec.instance + 1
-        )
-        self.slots = list(range(1, self.pools.aux_rows))
-        self.active: dict[int, _PRoom] = {}
-        self.bootstrap_addr = f"127.0.0.1:{spec.bootstrap_port}"
         self.emit(
             "ready",
             pid=os.getpid(),
@@ -731,134 +699,60 @@ class _PrefillRank(_Rank):
         )
 
     def close(self) -> None:
-        self.mgr.close()
-        if self.server is not None:
-            self.server.close()
+        self.driver.close()
 
     # -- commands ------------------------------------------------------------------------
     def do_expect(self, reqs: list[Request], plans: dict[int, str] | None = None) -> int:
-        """Create a sender per request now (as SGLang does when the request arrives)."""
+        """Create a sender per request now (as SGLang does when the request arrives); a
+        room planned ``hold`` sends every chunk but its last until ``release``."""
         plans = plans or {}
         for r in reqs:
-            pages = self.page_pool.alloc(r.pages(self.spec.workload.page_size), r.contiguous)
-            if pages is None:
+            if self.driver.open(r, hold=plans.get(r.room) == "hold") is None:
                 raise RuntimeError("prefill page pool exhausted")
-            slot = self.slots.pop()
-            self.pools.fill(r.room, pages)
-            _fill_slot(self.pools, r.room, slot, r.with_state)
-            sender = self.cls["sender"](
-                mgr=self.mgr, bootstrap_addr=self.bootstrap_addr, bootstrap_room=r.room
-            )
-            self.active[r.room] = _PRoom(
-                r,
-                sender,
-                pages,
-                slot,
-                plans.get(r.room, "normal"),
-                parts=r.split(pages),
-            )
-        return len(self.active)
+        return len(self.driver.active)
 
     def do_release(self, rooms: list[int]) -> list[int]:
         """Send the held chunks of ``rooms`` (those still active); returns which were sent.
         A room whose sender has not started yet (its decode's request is still on its way)
         is released too: it sends every chunk when it starts, instead of holding its last
         one for good."""
-        sent = []
-        for room in rooms:
-            ctx = self.active.get(room)
-            if ctx is not None and ctx.held:
-                ctx.held = False
-                self._send_parts(ctx, len(ctx.parts))
-                sent.append(room)
-            elif ctx is not None and not ctx.inited:
-                ctx.plan = "normal"
-        return sent
+        return [room for room in rooms if self.driver.release(room)]
 
     def do_held(self) -> list[int]:
-        return [room for room, c in self.active.items() if c.held]
+        return self.driver.holding()
 
     def do_state(self) -> dict[str, Any]:
         mgr = self.mgr
         return {
-            "tables": _tables(mgr),
+            "tables": self.driver.tables(),
             "peers": sorted(mgr.prefill.ctx.peers.accepted),
             "watched": {
                 ep: w.connected for ep, w in list(mgr.prefill.control.watch._peers.items())
             },
-            "active": len(self.active),
+            "active": len(self.driver.active),
         }
 
     def do_soak(self, plan: SoakPlan) -> dict[str, Any]:
         return soak_prefill(self, plan)
 
-    # -- the scheduler loop ----------------------------------------------------------------
-    def _send_parts(self, ctx: _PRoom, upto: int) -> None:
-        r = ctx.req
-        while ctx.next_part < upto:
-            i = ctx.next_part
-            last = i == len(ctx.parts) - 1
-            state = [np.array([ctx.slot], dtype=np.int32)] if (last and r.with_state) else None
-            tokens = r.chunk_tokens([len(p) for p in ctx.parts], self.pools.page_size)[i]
-            ctx.sender.send(
-                ctx.parts[i].astype(np.int32), state_indices=state, num_kv_tokens=tokens
-            )
-            ctx.next_part += 1
-
     def step(self) -> bool:
-        KVPoll = self.KVPoll
-        for room, ctx in list(self.active.items()):
-            status = ctx.sender.poll()
-            if status == KVPoll.WaitingForInput and not ctx.inited:
-                ctx.inited = True
-                if self.opts.get("report_bound"):
-                    self.emit("bound", room=room)  # the decode's request reached this rank
-                ctx.sender.init(len(ctx.pages), ctx.slot)
-                ctx.held = ctx.plan == "hold"
-                self._send_parts(ctx, len(ctx.parts) - 1 if ctx.held else len(ctx.parts))
-            elif status in (KVPoll.Success, KVPoll.Failed):
-                self._finish(room, ctx, status == KVPoll.Success)
-        return bool(self.active)
-
-    def _finish(self, room: int, ctx: _PRoom, ok: bool) -> None:
-        reason = None
-        if ok:
-            ctx.sender.clear()
-        else:
-            try:
-                ctx.sender.failure_exception()
-            except Exception as exc:
-                reason = str(exc)
-        self.page_pool.release(ctx.pages)
-        self.slots.append(ctx.slot)
-        del self.active[room]
-        self.emit("done", room=room, ok=ok, reason=reason)
+        self.driver.step()
+        return bool(self.driver.active)
 
 
 class _DecodeRank(_Rank):
+    """The bench's decode driver (its pools, manager, allocators, receivers, metadata gate
+    and checks), its rooms started by the test (``submit``) and ended as fault tests need:
+    aborts armed on landed bytes, pages snapshotted at the ack, quarantined failures."""
+
     def __init__(
         self, conn: Connection, spec: RankSpec, opts: dict[str, Any], deadline: float
     ) -> None:
         super().__init__(conn, spec, opts, deadline)
-        from sglang.srt.disaggregation.base.conn import KVPoll
-        from sglang.srt.disaggregation.utils import DisaggregationMode
-
-        self.KVPoll = KVPoll
-        self.env = _setup(spec)
-        cls = self.cls = self.env["classes"]
-        self.pools = Pools(spec)
-        self.mgr = cls["manager"](
-            self.pools.kv_args(cls["kvargs"], spec),
-            DisaggregationMode.DECODE,
-            self.env["server_args"],
-            spec.workload.shape.mla,
-        )
-        self.page_pool = PagePool(
-            self.pools.pages, seed=spec.workload.seed + 31 * spec.instance + 2
-        )
-        # the host pool's allocator: SGLang's hands out page 0 too
-        self.host_pool = PagePool(self.pools.pages, seed=spec.workload.seed + 5, padding_page=False)
-        self.slots = list(range(1, self.pools.aux_rows))
+        self.env = setup(spec)
+        self.driver = DecodeDriver(spec, self.env, requests=[])
+        self.KVPoll = self.driver.KVPoll
+        self.pools, self.mgr = self.driver.pools, self.driver.mgr
         self.active: dict[int, _DRoom] = {}
         # ``opts["quarantine_failed_s"]``: a failed room's pages and slot are reused only
         # after this long (late WRITEs of a partitioned prefill can still land in them)
@@ -901,7 +795,7 @@ class _DecodeRank(_Rank):
         zero: bool = True,
         metadata: bool = True,
     ) -> str | None:
-        mgr, pools = self.mgr, self.pools
+        mgr, pools, driver = self.mgr, self.pools, self.driver
         if not mgr.try_ensure_parallel_info(addr):
             return f"no parallel info from {addr}"
         # the prefill DP rank that holds the room, as SGLang's decode picks it: 0 for a
@@ -909,30 +803,21 @@ class _DecodeRank(_Rank):
         dp_rank = harness.resolve_prefill_dp_rank(mgr, addr, r.room)
         if dp_rank is None:
             return f"no prefill DP rank known for room {r.room}"
-        pool = self.host_pool if r.host else self.page_pool
+        pool = driver.host_pool if r.host else driver.pool
         pages = pool.alloc(r.pages(pools.page_size), r.contiguous)
         if pages is None:
             return "decode page pool exhausted"
-        slot = self.slots.pop()
         if zero:
             for k in range(len(pools.kv_ptrs)):
                 pools.region_words(k, r.host)[pages] = 0
-        for buf, n in zip(pools.aux, AUX_ITEM_BYTES, strict=False):
-            buf[slot * n : (slot + 1) * n] = 0
+        receiver, slot = driver.open_receiver(r, addr, dp_rank)
         if r.with_state:
             pools.state_row(slot)[:] = 0
-        receiver = self.cls["receiver"](mgr=mgr, bootstrap_addr=addr, bootstrap_room=r.room)
-        receiver.init(dp_rank)
-        state = [np.array([slot], dtype=np.int32)] if r.with_state else None
         sent = pages[:-1] if short else pages
         if not metadata:
             sent = pages[:0]
-        elif r.host:
-            from sglang.srt.disaggregation.base.conn import KVTransferDestination
-
-            receiver.send_metadata(sent, slot, None, destination=KVTransferDestination.HOST)
         else:
-            receiver.send_metadata(sent, slot, state)
+            driver.send_metadata(receiver, r, sent, slot)
         self.active[r.room] = _DRoom(r, receiver, pages, slot, len(sent), time.time())
         return None
 
@@ -1014,7 +899,7 @@ class _DecodeRank(_Rank):
         mgr = self.mgr
         watch = mgr.decode.listener.watch
         return {
-            "tables": _tables(mgr),
+            "tables": self.driver.tables(),
             "known": sorted(mgr.decode.policy.known_endpoints()),
             "watched": {ep: w.connected for ep, w in list(watch._peers.items())},
             "pool_keys": _keys(mgr.connection_pool),
@@ -1039,7 +924,7 @@ class _DecodeRank(_Rank):
             else {
                 "slot": ctx.slot,
                 "aborted": ctx.aborted,
-                "aux_landed": _aux_landed(self.pools, ctx.slot),
+                "aux_landed": self.driver.aux_landed(ctx.slot),
                 "polled_status": int(ctx.receiver.poll()),
             },
             "record": None
@@ -1072,8 +957,8 @@ class _DecodeRank(_Rank):
                 ctx.receiver.failure_exception()  # clear() and pop the failure record
             except Exception:
                 pass
-        (self.host_pool if ctx.req.host else self.page_pool).release(ctx.pages)
-        self.slots.append(ctx.slot)
+        (self.driver.host_pool if ctx.req.host else self.driver.pool).release(ctx.pages)
+        self.driver.slots.append(ctx.slot)
         del self.active[room]
 
     def _release_safe(self, ctx: _DRoom) -> bool:
@@ -1086,76 +971,83 @@ class _DecodeRank(_Rank):
         return bool(self.mgr.is_abort_release_safe(ctx.req.room, ctx.required_acks))
 
     def step(self) -> bool:
-        KVPoll = self.KVPoll
-        pools = self.pools
         for room, ctx in list(self.active.items()):
-            if ctx.failed_at is not None:
-                # SGLang's DecodeTransferQueue.resolve_deferred_releases for a host room:
-                # no timeout, only the receiver's word frees the pages
-                if self._release_safe(ctx):
-                    ctx.receiver.clear()
-                    self.host_pool.release(ctx.pages)
-                    self.slots.append(ctx.slot)
-                    del self.active[room]
-                    self.emit("host_released", room=room, held_s=time.time() - ctx.failed_at)
-                continue
-            if ctx.aborted:
-                if ctx.acked_at is None and self._release_safe(ctx):
-                    ctx.acked_at = time.time()
-                    if ctx.keep:
-                        ctx.snapshot = self._snap(ctx)
-                        ctx.snapshot_landed = int(
-                            page_matches(pools, room, ctx.pages, ctx.req.host).sum()
-                        )
-                    self.emit("acked", room=room)
-                    if not ctx.keep:
-                        self._release(room, ctx)
-                continue
-            if ctx.arm_from >= 0:
-                started, whole = self._landing(ctx)
-                if started:
-                    ctx.landing_at_abort = whole
-                    self._abort(ctx, ctx.keep)
-                    self.emit("aborted", room=room, landing=whole, of=len(ctx.pages) - ctx.arm_from)
-                    continue
-            status = ctx.receiver.poll()
-            if status == KVPoll.Success and not _aux_landed(pools, ctx.slot):
-                continue  # SGLang's metadata gate
-            if status not in (KVPoll.Success, KVPoll.Failed):
-                continue
-            res: dict[str, Any] = {"ok": status == KVPoll.Success, "reason": None, "t0": ctx.t0}
-            if status == KVPoll.Failed:
-                if ctx.req.host:
-                    ctx.receiver.abort()  # SGLang's _abort_failed_transfer for a host room
-                try:
-                    ctx.receiver.failure_exception()
-                except Exception as exc:
-                    res["reason"] = str(exc)
-                if ctx.req.host:
-                    ctx.failed_at = time.time()
-                    self.emit("done", room=room, **res)
-                    continue
-            else:
-                ctx.receiver.clear()
-                res.update(verify_room(pools, ctx))
-            hold_s = float(self.opts.get("quarantine_failed_s", 0))
-            if status == KVPoll.Failed and hold_s > 0:
-                self.quarantine.append((time.monotonic() + hold_s, ctx.pages, ctx.slot))
-            else:
-                (self.host_pool if ctx.req.host else self.page_pool).release(ctx.pages)
-                self.slots.append(ctx.slot)
-            del self.active[room]
-            self.emit("done", room=room, **res)
+            self._step_room(room, ctx)
         while self.quarantine and self.quarantine[0][0] <= time.monotonic():
             _, pages, slot = self.quarantine.pop(0)
-            self.page_pool.release(pages)
-            self.slots.append(slot)
+            self.driver.pool.release(pages)
+            self.driver.slots.append(slot)
         return bool(self.active)
 
+    def _step_room(self, room: int, ctx: _DRoom) -> None:
+        if ctx.failed_at is not None:
+            self._release_failed_host(room, ctx)
+        elif ctx.aborted:
+            self._check_acked(room, ctx)
+        elif ctx.arm_from >= 0 and self._abort_if_landing(room, ctx):
+            return
+        else:
+            status = ctx.receiver.poll()
+            if status == self.KVPoll.Success and not self.driver.aux_landed(ctx.slot):
+                return  # SGLang's metadata gate
+            if status in (self.KVPoll.Success, self.KVPoll.Failed):
+                self._finish(room, ctx, status == self.KVPoll.Success)
 
-def _aux_landed(pools: Pools, slot: int) -> bool:
-    n = AUX_ITEM_BYTES[1]
-    return bool(pools.aux[1][slot * n : (slot + 1) * n].any())
+    def _release_failed_host(self, room: int, ctx: _DRoom) -> None:
+        """SGLang's DecodeTransferQueue.resolve_deferred_releases for a host room: no
+        timeout, only the receiver's word frees the pages."""
+        assert ctx.failed_at is not None
+        if self._release_safe(ctx):
+            ctx.receiver.clear()
+            self.driver.host_pool.release(ctx.pages)
+            self.driver.slots.append(ctx.slot)
+            del self.active[room]
+            self.emit("host_released", room=room, held_s=time.time() - ctx.failed_at)
+
+    def _check_acked(self, room: int, ctx: _DRoom) -> None:
+        if ctx.acked_at is not None or not self._release_safe(ctx):
+            return
+        ctx.acked_at = time.time()
+        if ctx.keep:
+            ctx.snapshot = self._snap(ctx)
+            ctx.snapshot_landed = int(page_matches(self.pools, room, ctx.pages, ctx.req.host).sum())
+        self.emit("acked", room=room)
+        if not ctx.keep:
+            self._release(room, ctx)
+
+    def _abort_if_landing(self, room: int, ctx: _DRoom) -> bool:
+        started, whole = self._landing(ctx)
+        if not started:
+            return False
+        ctx.landing_at_abort = whole
+        self._abort(ctx, ctx.keep)
+        self.emit("aborted", room=room, landing=whole, of=len(ctx.pages) - ctx.arm_from)
+        return True
+
+    def _finish(self, room: int, ctx: _DRoom, ok: bool) -> None:
+        res: dict[str, Any] = {"ok": ok, "reason": None, "t0": ctx.t0}
+        if not ok:
+            if ctx.req.host:
+                ctx.receiver.abort()  # SGLang's _abort_failed_transfer for a host room
+            try:
+                ctx.receiver.failure_exception()
+            except Exception as exc:
+                res["reason"] = str(exc)
+            if ctx.req.host:
+                ctx.failed_at = time.time()
+                self.emit("done", room=room, **res)
+                return
+        else:
+            ctx.receiver.clear()
+            res.update(self.driver.verify(ctx.req, ctx.pages, ctx.slot))
+        hold_s = float(self.opts.get("quarantine_failed_s", 0))
+        if not ok and hold_s > 0:
+            self.quarantine.append((time.monotonic() + hold_s, ctx.pages, ctx.slot))
+        else:
+            (self.driver.host_pool if ctx.req.host else self.driver.pool).release(ctx.pages)
+            self.driver.slots.append(ctx.slot)
+        del self.active[room]
+        self.emit("done", room=room, **res)
 
 
 def _keys(d: dict) -> list[Any]:
@@ -1182,22 +1074,6 @@ def page_matches(
             right[tokens:] = True  # past the request: no side's data
         ok &= right.reshape(len(pages), -1).all(axis=1)
     return ok
-
-
-def verify_room(pools: Pools, ctx: _DRoom) -> dict[str, int]:
-    room, slot = ctx.req.room, ctx.slot
-    # across page sizes only the request's tokens travel; equal pages travel whole
-    tokens = ctx.req.tokens if pools.pages_differ else None
-    out = {"bad_pages": int((~page_matches(pools, room, ctx.pages, ctx.req.host, tokens)).sum())}
-    out["bad_aux"] = sum(
-        int(not np.array_equal(buf[slot * n : (slot + 1) * n], aux_pattern(room, b, n)))
-        for b, (buf, n) in enumerate(zip(pools.aux, AUX_ITEM_BYTES, strict=False))
-    )
-    if ctx.req.with_state:
-        out["bad_state"] = int(
-            not np.array_equal(pools.state_row(slot), state_pattern(room, STATE_ITEM_BYTES))
-        )
-    return out
 
 
 # ======================================================================================
@@ -1239,71 +1115,49 @@ def _rss_after_gc() -> int:
 
 
 def soak_prefill(rank: _PrefillRank, plan: SoakPlan) -> dict[str, Any]:
-    KVPoll = rank.KVPoll
+    driver = rank.driver
+    KVPoll = driver.KVPoll
     w = plan.workload
     reqs = w.make_requests()
     fates = [plan.fate(i) for i in range(len(reqs))]
+    index = {r.room: i for i, r in enumerate(reqs)}
     pending = list(range(len(reqs)))
     pending.reverse()
-    active: dict[int, tuple[int, Any, np.ndarray, int, bool]] = {}
+    active = driver.active
     outcomes: Counter[str] = Counter()
     done = 0
     rss_warm = tables_warm = None
     t_start = time.monotonic()
     t_warm = None
     deadline = t_start + plan.time_limit_s
-    pools, pp = rank.pools, rank.page_pool
     while (pending or active) and time.monotonic() < deadline:
         while pending and len(active) < w.concurrency:
-            i = pending[-1]
-            r = reqs[i]
-            pages = pp.alloc(r.pages(w.page_size), r.contiguous)
-            if pages is None:
+            if driver.open(reqs[pending[-1]]) is None:
                 break
             pending.pop()
-            slot = rank.slots.pop()
-            pools.fill(r.room, pages)
-            _fill_slot(pools, r.room, slot, r.with_state)
-            sender = rank.cls["sender"](
-                mgr=rank.mgr, bootstrap_addr=rank.bootstrap_addr, bootstrap_room=r.room
-            )
-            active[r.room] = [i, sender, pages, slot, False]
         for room, ctx in list(active.items()):
-            i, sender, pages, slot, inited = ctx
-            status = sender.poll()
-            if status == KVPoll.WaitingForInput and not inited:
-                r = reqs[i]
-                parts = r.split(pages)
-                if fates[i] == "client_abort" and len(parts) == 1:
-                    sender.abort()  # before any chunk was sent
-                    continue
-                ctx[4] = True
-                sender.init(len(pages), slot)
-                for k, part in enumerate(parts):
-                    last = k == len(parts) - 1
-                    if last and fates[i] == "client_abort":
-                        sender.abort()  # mid-transfer: after the first chunk
-                        break
-                    state = [np.array([slot], dtype=np.int32)] if (last and r.with_state) else None
-                    sender.send(part.astype(np.int32), state_indices=state)
+            i = index[room]
+            status = ctx.sender.poll()
+            if status == KVPoll.WaitingForInput and not ctx.sent:
+                _soak_send(ctx, fates[i])
             elif status in (KVPoll.Success, KVPoll.Failed):
-                if status == KVPoll.Success:
-                    sender.clear()
-                    outcomes[f"{fates[i]}:ok"] += 1
+                ok = status == KVPoll.Success
+                if ok:
+                    ctx.sender.clear()
                 else:
                     try:
-                        sender.failure_exception()
+                        ctx.sender.failure_exception()
                     except Exception:
                         pass
-                    outcomes[f"{fates[i]}:failed"] += 1
-                pp.release(pages)
-                rank.slots.append(slot)
+                outcomes[f"{fates[i]}:{'ok' if ok else 'failed'}"] += 1
+                driver.pool.release(ctx.pages)
+                driver.slots.append(ctx.slot)
                 del active[room]
                 done += 1
                 if done == plan.warmup:
                     rss_warm, tables_warm, t_warm = (
                         _rss_after_gc(),
-                        _tables(rank.mgr),
+                        driver.tables(),
                         time.monotonic(),
                     )
         time.sleep(0.0005)
@@ -1319,112 +1173,153 @@ def soak_prefill(rank: _PrefillRank, plan: SoakPlan) -> dict[str, Any]:
         "rss_warm": rss_warm,
         "rss_end": _rss_after_gc(),
         "tables_warm": tables_warm,
-        "tables_end": _tables(rank.mgr),
+        "tables_end": driver.tables(),
         "peers": sorted(rank.mgr.prefill.ctx.peers.accepted),
         "wall_s": t_end - t_start,
         "steady_s": (t_end - t_warm) if t_warm else None,
     }
 
 
+def _soak_send(ctx: PrefillRoom, fate: str) -> None:
+    """A soak room's chunks once its decode's request arrived; a ``client_abort`` room
+    aborts before its only chunk, or before the last of several."""
+    r, sender = ctx.req, ctx.sender
+    parts = r.split(ctx.pages)
+    if fate == "client_abort" and len(parts) == 1:
+        sender.abort()  # before any chunk was sent
+        return
+    ctx.sent = True
+    sender.init(len(ctx.pages), ctx.slot)
+    for k, part in enumerate(parts):
+        last = k == len(parts) - 1
+        if last and fate == "client_abort":
+            sender.abort()  # mid-transfer: after the first chunk
+            break
+        state = [np.array([ctx.slot], dtype=np.int32)] if (last and r.with_state) else None
+        sender.send(part.astype(np.int32), state_indices=state)
+
+
 def soak_decode(rank: _DecodeRank, plan: SoakPlan) -> dict[str, Any]:
-    KVPoll = rank.KVPoll
-    w = plan.workload
-    reqs = w.make_requests()
-    fates = [plan.fate(i) for i in range(len(reqs))]
-    rng = np.random.default_rng(w.seed + 5)
-    pending = list(range(len(reqs)))
-    pending.reverse()
-    outcomes: Counter[str] = Counter()
-    bad: list[tuple[int, dict[str, int]]] = []
-    unacked = 0
-    ack_wait: list[float] = []
-    done = 0
-    rss_warm = tables_warm = None
-    t_start = time.monotonic()
-    t_warm = None
-    deadline = t_start + plan.time_limit_s
-    index = {r.room: i for i, r in enumerate(reqs)}
-    active = rank.active
-    pools = rank.pools
+    return _DecodeSoak(rank, plan).run()
 
-    def finished() -> None:
-        nonlocal done, rss_warm, tables_warm, t_warm
-        done += 1
-        if done == plan.warmup:
-            rss_warm, tables_warm, t_warm = _rss_after_gc(), _tables(rank.mgr), time.monotonic()
 
-    while (pending or active) and time.monotonic() < deadline:
-        while pending and len(active) < w.concurrency:
-            i = pending[-1]
-            why = rank.start_room(reqs[i], plan.addr, short=fates[i] == "mismatch", zero=False)
+class _DecodeSoak:
+    """The decode side of a soak: its own loop over the rank's rooms, each request's fate
+    by its index (``SoakPlan.fate``)."""
+
+    def __init__(self, rank: _DecodeRank, plan: SoakPlan) -> None:
+        self.rank, self.plan = rank, plan
+        self.reqs = plan.workload.make_requests()
+        self.fates = [plan.fate(i) for i in range(len(self.reqs))]
+        self.index = {r.room: i for i, r in enumerate(self.reqs)}
+        self.rng = np.random.default_rng(plan.workload.seed + 5)
+        self.pending = list(range(len(self.reqs)))
+        self.pending.reverse()
+        self.outcomes: Counter[str] = Counter()
+        self.bad: list[tuple[int, dict[str, int]]] = []
+        self.unacked = 0
+        self.ack_wait: list[float] = []
+        self.done = 0
+        self.rss_warm: int | None = None
+        self.tables_warm: dict[str, int] | None = None
+        self.t_warm: float | None = None
+
+    def run(self) -> dict[str, Any]:
+        rank, active = self.rank, self.rank.active
+        t_start = time.monotonic()
+        deadline = t_start + self.plan.time_limit_s
+        while (self.pending or active) and time.monotonic() < deadline:
+            self._admit()
+            for room, ctx in list(active.items()):
+                if ctx.aborted:
+                    self._aborted(room, ctx)
+                else:
+                    self._poll(room, ctx)
+            time.sleep(0.0005)
+        t_end = time.monotonic()
+        ack_wait = self.ack_wait
+        return {
+            "done": self.done,
+            "unfinished": len(self.pending) + len(active),
+            "outcomes": dict(self.outcomes),
+            "bad": self.bad[:10],
+            "n_bad": len(self.bad),
+            "unacked": self.unacked,
+            "ack_wait_max_s": max(ack_wait, default=0.0),
+            "ack_wait_p99_s": float(np.percentile(ack_wait, 99)) if ack_wait else 0.0,
+            "ack_wait_slow": sorted(ack_wait)[-5:],
+            "rss_warm": self.rss_warm,
+            "rss_end": _rss_after_gc(),
+            "tables_warm": self.tables_warm,
+            "tables_end": rank.driver.tables(),
+            "wall_s": t_end - t_start,
+            "steady_s": (t_end - self.t_warm) if self.t_warm else None,
+        }
+
+    def _finished(self) -> None:
+        self.done += 1
+        if self.done == self.plan.warmup:
+            self.rss_warm, self.tables_warm = _rss_after_gc(), self.rank.driver.tables()
+            self.t_warm = time.monotonic()
+
+    def _admit(self) -> None:
+        rank, fates = self.rank, self.fates
+        while self.pending and len(rank.active) < self.plan.workload.concurrency:
+            i = self.pending[-1]
+            r = self.reqs[i]
+            why = rank.start_room(r, self.plan.addr, short=fates[i] == "mismatch", zero=False)
             if why == "decode page pool exhausted":
                 break
-            pending.pop()
+            self.pending.pop()
             if why:
-                outcomes[f"{fates[i]}:not_started"] += 1
-                finished()
+                self.outcomes[f"{fates[i]}:not_started"] += 1
+                self._finished()
                 continue
             if fates[i] in ("decode_abort", "client_abort"):
-                active[reqs[i].room].abort_after = int(rng.integers(0, 4))
-        for room, ctx in list(active.items()):
-            i = index[room]
-            if ctx.aborted:
-                if ctx.acked_at is None and rank.mgr.is_abort_release_safe(room, ctx.required_acks):
-                    ctx.acked_at = time.monotonic()
-                    ack_wait.append(ctx.acked_at - ctx.t0)
-                elif ctx.acked_at is None and time.monotonic() - ctx.t0 < plan.ack_timeout_s:
-                    continue
-                if ctx.acked_at is None:
-                    unacked += 1
-                outcomes[f"{fates[i]}:aborted"] += 1
-                rank._release(room, ctx)
-                finished()
-                continue
-            status = ctx.receiver.poll()
-            if status == KVPoll.Success and not _aux_landed(pools, ctx.slot):
-                status = KVPoll.Transferring
-            if status not in (KVPoll.Success, KVPoll.Failed):
-                if ctx.abort_after >= 0:
-                    if ctx.polls >= ctx.abort_after:
-                        rank._abort(ctx, keep=False)
-                        ctx.t0 = time.monotonic()
-                    ctx.polls += 1
-                continue
-            if status == KVPoll.Success:
-                ctx.receiver.clear()
-                v = verify_room(pools, ctx)
-                if any(v.values()):
-                    bad.append((room, v))
-                outcomes[f"{fates[i]}:ok"] += 1
-            else:
-                try:
-                    ctx.receiver.failure_exception()
-                except Exception:
-                    pass
-                outcomes[f"{fates[i]}:failed"] += 1
-            rank.page_pool.release(ctx.pages)
-            rank.slots.append(ctx.slot)
-            del active[room]
-            finished()
-        time.sleep(0.0005)
-    t_end = time.monotonic()
-    return {
-        "done": done,
-        "unfinished": len(pending) + len(active),
-        "outcomes": dict(outcomes),
-        "bad": bad[:10],
-        "n_bad": len(bad),
-        "unacked": unacked,
-        "ack_wait_max_s": max(ack_wait, default=0.0),
-        "ack_wait_p99_s": float(np.percentile(ack_wait, 99)) if ack_wait else 0.0,
-        "ack_wait_slow": sorted(ack_wait)[-5:],
-        "rss_warm": rss_warm,
-        "rss_end": _rss_after_gc(),
-        "tables_warm": tables_warm,
-        "tables_end": _tables(rank.mgr),
-        "wall_s": t_end - t_start,
-        "steady_s": (t_end - t_warm) if t_warm else None,
-    }
+                rank.active[r.room].abort_after = int(self.rng.integers(0, 4))
+
+    def _aborted(self, room: int, ctx: _DRoom) -> None:
+        """Released once every prefill rank acked, or after ``ack_timeout_s`` without."""
+        if ctx.acked_at is None and self.rank.mgr.is_abort_release_safe(room, ctx.required_acks):
+            ctx.acked_at = time.monotonic()
+            self.ack_wait.append(ctx.acked_at - ctx.t0)
+        elif ctx.acked_at is None and time.monotonic() - ctx.t0 < self.plan.ack_timeout_s:
+            return
+        if ctx.acked_at is None:
+            self.unacked += 1
+        self.outcomes[f"{self.fates[self.index[room]]}:aborted"] += 1
+        self.rank._release(room, ctx)
+        self._finished()
+
+    def _poll(self, room: int, ctx: _DRoom) -> None:
+        rank, KVPoll = self.rank, self.rank.KVPoll
+        fate = self.fates[self.index[room]]
+        status = ctx.receiver.poll()
+        if status == KVPoll.Success and not rank.driver.aux_landed(ctx.slot):
+            status = KVPoll.Transferring
+        if status not in (KVPoll.Success, KVPoll.Failed):
+            if ctx.abort_after >= 0:
+                if ctx.polls >= ctx.abort_after:
+                    rank._abort(ctx, keep=False)
+                    ctx.t0 = time.monotonic()
+                ctx.polls += 1
+            return
+        if status == KVPoll.Success:
+            ctx.receiver.clear()
+            v = rank.driver.verify(ctx.req, ctx.pages, ctx.slot)
+            if any(v.values()):
+                self.bad.append((room, v))
+            self.outcomes[f"{fate}:ok"] += 1
+        else:
+            try:
+                ctx.receiver.failure_exception()
+            except Exception:
+                pass
+            self.outcomes[f"{fate}:failed"] += 1
+        rank.driver.pool.release(ctx.pages)
+        rank.driver.slots.append(ctx.slot)
+        del rank.active[room]
+        self._finished()
 
 
 # ======================================================================================

@@ -118,11 +118,21 @@ def leaked_tables(res: SessionResult) -> dict[str, dict[str, int]]:
 
 def session_problems(res: SessionResult, *, check_tables: bool = True) -> list[str]:
     """Everything that is not "all requests ok, byte-exact, nothing left behind"."""
-    cfg = res.config
-    w = cfg.workload
-    reqs = w.make_requests()
     problems: list[str] = [f"rank error: {e}" for e in res.errors]
+    problems += _rank_problems(res)
+    problems += _room_set_problems(res)
+    problems += _decode_room_problems(res)
+    if check_tables:
+        problems += [
+            f"{rank}: per-room state left behind: {t}" for rank, t in leaked_tables(res).items()
+        ]
+    return problems
 
+
+def _rank_problems(res: SessionResult) -> list[str]:
+    """Every rank reported, ran the backend asked for, and finished its rooms."""
+    cfg = res.config
+    problems: list[str] = []
     ranks = {("prefill", i, r) for i in range(cfg.n_prefill) for r in range(cfg.ranks("prefill"))}
     ranks |= {("decode", i, r) for i in range(cfg.n_decode) for r in range(cfg.ranks("decode"))}
     got = {("prefill", *k) for k in res.prefill} | {("decode", *k) for k in res.decode}
@@ -143,9 +153,14 @@ def session_problems(res: SessionResult, *, check_tables: bool = True) -> list[s
                     f"{role}{inst}.{rank}: host pages of failed rooms never released: "
                     f"{r['host_pages_held']}"
                 )
+    return problems
 
-    # Prefill: each rank of instance i sends rooms i, i + n_prefill, ... (with DP attention,
-    # those of its DP group); a decode rank receives its rooms only
+
+def _room_set_problems(res: SessionResult) -> list[str]:
+    """Prefill: each rank of instance i sends rooms i, i + n_prefill, ... (with DP
+    attention, those of its DP group); a decode rank receives its rooms only."""
+    cfg = res.config
+    problems: list[str] = []
     for (inst, rank), r in sorted(res.decode.items()):
         got_rooms = set(r.get("results", {})) | set(r.get("timed_out", []))
         if "error" not in r and got_rooms != cfg.rooms_of("decode", inst, rank):
@@ -160,8 +175,15 @@ def session_problems(res: SessionResult, *, check_tables: bool = True) -> list[s
             problems.append(
                 f"prefill{inst}.{rank}: {len(bad)} rooms failed, e.g. {next(iter(bad.values()))}"
             )
+    return problems
 
-    # Decode: every room, merged over the decode TP ranks of its instance.
+
+def _decode_room_problems(res: SessionResult) -> list[str]:
+    """Decode: every room, merged over the decode TP ranks of its instance."""
+    cfg = res.config
+    w = cfg.workload
+    reqs = w.make_requests()
+    problems: list[str] = []
     dr = res.decode_results()
     missing = [q.room for q in reqs if q.room not in dr]
     if missing:
@@ -185,11 +207,6 @@ def session_problems(res: SessionResult, *, check_tables: bool = True) -> list[s
         want = expected_bytes(cfg, q.pages(w.page_size_of("decode")))
         if not d.get("bytes") or d["bytes"] != want:
             problems.append(f"room {q.room}: bytes={d.get('bytes')} expected {want}")
-
-    if check_tables:
-        problems += [
-            f"{rank}: per-room state left behind: {t}" for rank, t in leaked_tables(res).items()
-        ]
     return problems
 
 

@@ -3,8 +3,8 @@
 Run in a fresh subprocess (``python tests/helpers/sglang_kvargs.py prefill|decode [CASE...]``);
 it prints one JSON line after ``RESULT_MARKER``. For every case of ``CASES`` asked for:
 
-* the bench side: ``Pools(spec).kv_args(...)`` (sgl_nixl_plugin/bench/rank.py), after the
-  bench's own ``_setup(spec)`` has published SGLang's runtime context for the rank;
+* the bench side: ``Pools(spec).kv_args(...)`` (sgl_nixl_plugin/bench/pools.py), after the
+  bench's own ``setup(spec)`` has published SGLang's runtime context for the rank;
 * the SGLang side: SGLang 0.5.23's real ``PrefillBootstrapQueue._init_kv_manager`` or
   ``DecodePreallocQueue._init_kv_manager``, on a queue made with ``object.__new__`` that
   holds only what the method reads: a real CPU pool of the same geometry
@@ -239,7 +239,8 @@ def capture(role: str, case: Case) -> dict[str, Any]:
     from sglang.srt.disaggregation import utils
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, is_mla_backend
 
-    from sgl_nixl_plugin.bench.rank import Pools, RankSpec, _setup
+    from sgl_nixl_plugin.bench.pools import Pools
+    from sgl_nixl_plugin.bench.rank import RankSpec, setup
     from sgl_nixl_plugin.bench.workload import Workload
 
     shape = _shape(case.shape)
@@ -265,7 +266,7 @@ def capture(role: str, case: Case) -> dict[str, Any]:
         pp_rank=case.pp_rank,
         dp_size=case.dp_size,
     )
-    env = _setup(spec)  # the bench's own publish of SGLang's runtime context
+    env = setup(spec)  # the bench's own publish of SGLang's runtime context
 
     # the bench side, with aux buffers laid out like SGLang's MetadataBuffers
     aux_item_lens = _metadata_buffers(1, torch.float16).get_buf_infos()[2]

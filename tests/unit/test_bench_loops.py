@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from sgl_nixl_plugin.bench.rank import _StatusBell
+from sgl_nixl_plugin.bench.driver import StatusBell
 
 
 class Manager:
@@ -21,7 +21,7 @@ class Manager:
 
 def test_a_status_change_rings_the_bell_and_still_reaches_the_table() -> None:
     mgr = Manager()
-    bell = _StatusBell(mgr)
+    bell = StatusBell(mgr)
     assert not bell._event.is_set()
     mgr.update_status(7, 4)
     assert mgr.request_status == {7: 4}
@@ -33,7 +33,7 @@ def test_a_status_change_rings_the_bell_and_still_reaches_the_table() -> None:
 def test_a_change_from_another_thread_ends_a_long_wait() -> None:
     """With a wait far longer than the test's timeout, only the ring can end it."""
     mgr = Manager()
-    bell = _StatusBell(mgr)
+    bell = StatusBell(mgr)
     bell.WAIT_S = 600.0
     ended = threading.Event()
 
@@ -56,7 +56,7 @@ def test_an_update_that_raises_still_rings() -> None:
             raise KeyError(room)
 
     mgr = Strict()
-    bell = _StatusBell(mgr)
+    bell = StatusBell(mgr)
     with pytest.raises(KeyError):
         mgr.update_status(1, 1)
     assert bell._event.is_set()

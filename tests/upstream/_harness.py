@@ -1,6 +1,6 @@
 """The in-process cluster the upstream ports run against, and peers that speak our wire.
 
-SGLang's runtime context is published the way ``sgl_nixl_plugin.bench.rank._setup`` does
+SGLang's runtime context is published the way ``sgl_nixl_plugin.bench.rank.setup`` does
 for a rank process, then ``load_plugins()`` + ``get_kv_class(TransferBackend.NIXL, ...)``
 hand out the four classes: the tests only ever use what SGLang would. One bootstrap
 server, one prefill and one decode manager (real NIXL agents over UCX on ``lo``, DRAM
@@ -137,7 +137,8 @@ class Cluster:
         self._saved_env = {k: os.environ.get(k) for k in LOOPBACK_ENV}
         os.environ.update(LOOPBACK_ENV)
         self._threads_before = set(threading.enumerate())
-        from sgl_nixl_plugin.bench.rank import Pools, RankSpec, _setup
+        from sgl_nixl_plugin.bench.pools import Pools
+        from sgl_nixl_plugin.bench.rank import RankSpec, setup
         from sgl_nixl_plugin.bench.session import free_port
         from sgl_nixl_plugin.bench.workload import PRESETS, Workload
 
@@ -148,7 +149,7 @@ class Cluster:
         decode_spec = RankSpec("decode", 0, 1, 0, workload, self.bootstrap_port)
         with warnings.catch_warnings():  # SGLang's CPU-only import warnings (AWQ, GGUF)
             warnings.simplefilter("ignore", UserWarning)
-            env = _setup(prefill_spec)  # publish the runtime context, load_plugins(), get_kv_class
+            env = setup(prefill_spec)  # publish the runtime context, load_plugins(), get_kv_class
         self.classes: dict[str, type] = env["classes"]
         self.server_args = env["server_args"]
         from sglang.srt.disaggregation.base.conn import KVPoll
