@@ -10,7 +10,6 @@ nothing is in flight, or at ``release`` when no worker ever claimed it.
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,17 +18,7 @@ from typing import Any
 import numpy as np
 
 from sgl_nixl_plugin.protocol.credits import SlotCredits
-
-
-class PrefillPhase(enum.Enum):
-    AWAITING = "awaiting"  # decode destinations arriving; no chunk submitted
-    SENDING = "sending"  # a worker owns it: chunks submitted, WRITEs may be in flight
-    DRAINING = "draining"  # failed or released: no new WRITE, in-flight ones settle
-    SUCCEEDED = "succeeded"  # terminal: every chunk landed, Success concluded
-    FAILED = "failed"  # terminal: failure concluded, nothing in flight
-
-
-TERMINAL = (PrefillPhase.SUCCEEDED, PrefillPhase.FAILED)
+from sgl_nixl_plugin.protocol.prefill_machine import TERMINAL, PrefillPhase, RoomMachine
 
 
 @dataclass(eq=False)  # identity: holds arrays and live state
@@ -73,16 +62,15 @@ class Chunk:
 
 
 @dataclass(eq=False)
-class PrefillRoom:
-    room: int
-    phase: PrefillPhase = PrefillPhase.AWAITING
+class PrefillRoom(RoomMachine):
+    """Everything a room holds; its phase and in-flight count are its ``RoomMachine``'s."""
+
     credits: dict[str, SlotCredits] = field(default_factory=dict)  # decode agent -> slots
     recalls: set[str] = field(default_factory=set)  # decode agents that want slots back
     xfers: list[Any] = field(default_factory=list)  # direct WRITEs in flight
     jobs: list[Any] = field(default_factory=list)  # staged sends of this room's chunks
     last_chunk_seen: bool = False
     released: bool = False  # SGLang cleared the sender
-    reason: str = ""  # why it failed
     started: float = field(default_factory=time.perf_counter)
     nbytes: int = 0
     descriptors: int = 0
