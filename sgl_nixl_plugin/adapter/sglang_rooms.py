@@ -151,17 +151,14 @@ class SGLangRooms:
     def set_decode_prefix_len(self, room: int, n: int) -> None:
         self._m.req_to_decode_prefix_len[room] = n
 
-    def begin_transfer(self, room: int, n: int = 1) -> None:
-        """``n`` more WRITEs (or submissions) of ``room`` in flight: Success and a
-        deferred abort ACK wait for them (SGLang's ``_staging_outstanding``)."""
-        self._m._staging_outstanding[room] += n
-
-    def end_transfer(self, room: int) -> None:
-        """One of them settled (either way); ACK a drained abort."""
+    def mirror_in_flight(self, room: int, n: int) -> None:
+        """The one place SGLang's ``_staging_outstanding`` is written for our rooms: the
+        room's record counts what it has in flight (its machine), and SGLang holds Success
+        and a deferred abort ACK on this copy; at zero the entry goes and a drained abort
+        is ACKed. Only the room's worker calls it, so the copies arrive in order."""
         table = self._m._staging_outstanding
-        left = table.get(room, 0) - 1
-        if left > 0:
-            table[room] = left
+        if n > 0:
+            table[room] = n
             return
         table.pop(room, None)
         self._m._maybe_ack_drained_abort(room)

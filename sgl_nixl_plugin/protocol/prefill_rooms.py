@@ -2,15 +2,15 @@
 destination to the end of its last WRITE.
 
 Threads: the control thread opens a record and adds destinations' slot credits; the
-transfer worker that owns the room (room id modulo workers) claims it at its first chunk
-and is the only one that changes its transfers; the scheduler thread releases it when
-SGLang clears the sender. The record leaves the table in ``close`` only: by the worker once
-nothing is in flight, or at ``release`` when no worker ever claimed it.
+transfer worker that owns the room (room id modulo workers) claims it at its first chunk,
+is the only one that changes its transfers and feeds its machine (``prefill_machine``)
+every event but ``Released``, which the scheduler thread feeds when SGLang clears the
+sender. The record leaves the table in ``close`` only, on the machine's ``Close``: by the
+worker once nothing is in flight, or at ``release`` when no worker ever claimed it.
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,17 +19,13 @@ from typing import Any
 import numpy as np
 
 from sgl_nixl_plugin.protocol.credits import SlotCredits
-
-
-class PrefillPhase(enum.Enum):
-    AWAITING = "awaiting"  # decode destinations arriving; no chunk submitted
-    SENDING = "sending"  # a worker owns it: chunks submitted, WRITEs may be in flight
-    DRAINING = "draining"  # failed or released: no new WRITE, in-flight ones settle
-    SUCCEEDED = "succeeded"  # terminal: every chunk landed, Success concluded
-    FAILED = "failed"  # terminal: failure concluded, nothing in flight
-
-
-TERMINAL = (PrefillPhase.SUCCEEDED, PrefillPhase.FAILED)
+from sgl_nixl_plugin.protocol.prefill_machine import (
+    ChunkIn,
+    Close,
+    Effect,
+    Released,
+    RoomMachine,
+)
 
 
 @dataclass(eq=False)  # identity: holds arrays and live state
@@ -73,16 +69,13 @@ class Chunk:
 
 
 @dataclass(eq=False)
-class PrefillRoom:
-    room: int
-    phase: PrefillPhase = PrefillPhase.AWAITING
+class PrefillRoom(RoomMachine):
+    """Everything a room holds; its phase and in-flight count are its ``RoomMachine``'s."""
+
     credits: dict[str, SlotCredits] = field(default_factory=dict)  # decode agent -> slots
     recalls: set[str] = field(default_factory=set)  # decode agents that want slots back
     xfers: list[Any] = field(default_factory=list)  # direct WRITEs in flight
     jobs: list[Any] = field(default_factory=list)  # staged sends of this room's chunks
-    last_chunk_seen: bool = False
-    released: bool = False  # SGLang cleared the sender
-    reason: str = ""  # why it failed
     started: float = field(default_factory=time.perf_counter)
     nbytes: int = 0
     descriptors: int = 0
@@ -129,23 +122,6 @@ class PrefillRoom:
             "chunks": self.chunks,
         }
 
-    @property
-    def stopping(self) -> bool:
-        """No new WRITE may start: failed, or the sender is gone."""
-        return self.phase in (PrefillPhase.DRAINING, *TERMINAL) or self.released
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.xfers) or any(not j.send.finished or j.send.in_flight for j in self.jobs)
-
-    def fail(self, reason: str) -> bool:
-        """Stop sending; True the first time (the caller concludes the failure once)."""
-        if self.reason or self.phase in TERMINAL:
-            return False
-        self.reason = reason or "failed"
-        self.phase = PrefillPhase.DRAINING
-        return True
-
 
 class PrefillRooms:
     """Every live room of one prefill rank; thread-safe."""
@@ -171,51 +147,46 @@ class PrefillRooms:
                 rec = self._rooms[room] = PrefillRoom(room)
             return rec
 
-    def claim(self, room: int) -> PrefillRoom:
-        """The owning worker takes the room at its first chunk (AWAITING -> SENDING)."""
+    def claim(self, room: int, last: bool) -> tuple[PrefillRoom, list[Effect]]:
+        """The owning worker takes the room at its first chunk (``ChunkIn``: the chunk
+        counts as in flight); under the table's lock, so a release cannot close it between
+        the two."""
         with self._lock:
             rec = self._rooms.get(room)
             if rec is None:
                 rec = self._rooms[room] = PrefillRoom(room)
-            if rec.phase is PrefillPhase.AWAITING:
-                rec.phase = PrefillPhase.SENDING
             if not rec.claimed_at:
                 rec.claimed_at = time.perf_counter()
-            return rec
+            return rec, rec.on(ChunkIn(last))
 
     def release(self, room: int) -> None:
-        """SGLang cleared the room's sender: close it now if no worker holds it, else let
-        its worker close it once its WRITEs settled."""
+        """SGLang cleared the room's sender: the machine closes it now if no worker holds
+        it, else its worker closes it once its WRITEs settled."""
         with self._lock:
             rec = self._rooms.get(room)
-            if rec is None:
-                return
-            rec.released = True
-            if rec.phase is PrefillPhase.AWAITING:
-                rec.phase = PrefillPhase.FAILED if rec.reason else PrefillPhase.SUCCEEDED
-                del self._rooms[room]
+            if rec is not None and any(isinstance(e, Close) for e in rec.on(Released())):
+                self._drop(rec)
 
-    def close(self, rec: PrefillRoom, phase: PrefillPhase) -> bool:
-        """The one way out: ``rec`` is terminal and leaves the table (unless a newer record
-        of the same room id replaced it). False if it was already closed."""
-        if phase not in TERMINAL:
-            raise ValueError(f"{phase} is not terminal")
+    def close(self, rec: PrefillRoom) -> None:
+        """The one way out, on the machine's ``Close``: ``rec`` leaves the table (unless a
+        newer record of the same room id replaced it)."""
+        if not rec.phase.terminal:
+            raise ValueError(f"room {rec.room} is {rec.phase.value}, not closed")
         with self._lock:
-            if rec.phase in TERMINAL:
-                return False
-            rec.phase = phase
-            rec.credits.clear()
-            rec.recalls.clear()
-            if self._rooms.get(rec.room) is rec:
-                del self._rooms[rec.room]
-            return True
+            self._drop(rec)
+
+    def _drop(self, rec: PrefillRoom) -> None:
+        rec.credits.clear()
+        rec.recalls.clear()
+        if self._rooms.get(rec.room) is rec:
+            del self._rooms[rec.room]
 
     def sizes(self) -> dict[str, int]:
         with self._lock:
             recs = list(self._rooms.values())
         return {
             "rooms": len(recs),
-            "rooms_busy": sum(1 for r in recs if r.busy),
+            "rooms_busy": sum(1 for r in recs if r.in_flight),
         }
 
 

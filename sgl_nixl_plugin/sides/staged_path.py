@@ -29,6 +29,7 @@ from sgl_nixl_plugin.engine.staging import (
 )
 from sgl_nixl_plugin.protocol.credits import SlotCredits
 from sgl_nixl_plugin.protocol.peers import DecodePeer
+from sgl_nixl_plugin.protocol.prefill_machine import Event, Failure, Posted, Settled
 from sgl_nixl_plugin.protocol.prefill_rooms import PrefillRoom, TransferInfo
 from sgl_nixl_plugin.sides.context import PrefillContext
 from sgl_nixl_plugin.wire.messages import PieceReady, SlotAsk, SlotReturn
@@ -78,19 +79,21 @@ class StagedJob:
 class StagedPath:
     """One worker's staged jobs and the decode's receiver slots they use.
 
-    ``track`` and ``fail`` are the worker's: a chunk that falls back to direct descriptors
-    is tracked like any WRITE, and a failed piece fails the room the worker's way.
+    ``track`` and ``feed`` are the worker's: a chunk that falls back to direct descriptors
+    is tracked like any WRITE, and what happens to a job (pieces posted and settled, the
+    job ended, a failure) goes to the room's machine, whose effects the worker carries out.
+    Each job counts as in flight from its creation (the worker's ``Posted``) to its end.
     """
 
     def __init__(
         self,
         ctx: PrefillContext,
         track: Callable[[PrefillRoom, Any], None],
-        fail: Callable[..., None],
+        feed: Callable[[PrefillRoom, Event], None],
     ) -> None:
         self.ctx = ctx
         self._track = track
-        self._fail = fail
+        self._feed = feed
 
     def job_for(
         self,
@@ -157,28 +160,19 @@ class StagedPath:
     def step(self, rec: PrefillRoom) -> int:
         """Advance the room's staged jobs; tell decodes about landed pieces.
 
-        Staged WRITEs count as outstanding like direct ones (an abort is acked only once
-        they ended), reserved before the status check as in ``TransferWorker._submit``; a
-        landed piece settles only after its PieceReady went out, so the ack can't overtake it.
+        Staged WRITEs count as in flight like direct ones (an abort is acked only once they
+        ended; the job itself counts until it ends, so the room never reads as idle between
+        its pieces); a landed piece settles only after its PieceReady went out, so the ack
+        can't overtake it.
         """
-        sg = self.ctx.sglang
-        sg.begin_transfer(rec.room)
-        try:
-            return self._step_reserved(rec)
-        finally:
-            sg.end_transfer(rec.room)
-
-    def _step_reserved(self, rec: PrefillRoom) -> int:
-        ctx, sg, room, settled = self.ctx, self.ctx.sglang, rec.room, 0
-        if not rec.stopping and sg.is_failed_or_gone(room):
-            rec.fail("room ended")  # aborted or cleared: stop sending, let WRITEs drain
-        if rec.stopping:
+        settled = 0
+        if not rec.phase.sends:
             for job in rec.jobs:
                 job.send.abandon("room ended")
         for job in list(rec.jobs):
             if job.send.finished and not job.send.in_flight:
                 continue
-            if self._slot_wait_over(job) and not rec.stopping:
+            if self._slot_wait_over(job) and rec.phase.sends:
                 self._go_direct(rec, job)
                 continue
             if job.slot_at is None and job.send.remote_free:
@@ -188,56 +182,60 @@ class StagedPath:
             landed = job.send.step()
             if job.send.posted > posted:
                 rec.note_post()
-                sg.begin_transfer(room, job.send.posted - posted)
+                self._feed(rec, Posted(job.send.posted - posted))
             for piece, slot in landed:
                 settled += 1
-                geo = job.send.geometry
-                me = ctx.me
-                ctx.send(
-                    job.peer.endpoint,
-                    PieceReady(
-                        room=room,
-                        prefill_rank=me.rank,
-                        ip=me.ip,
-                        port=me.port,
-                        slot=slot,
-                        r0=piece.r0,
-                        r1=piece.r1,
-                        j0=piece.j0,
-                        j1=piece.j1,
-                        page_start=job.page_start,
-                        page_count=job.page_count,
-                        unit_len=piece.unit_len,
-                        units_per_item=geo.units_per_item,
-                        dst_stride=geo.dst_stride or piece.unit_len,
-                        dst_offset=geo.dst_offset,
-                        seq=job.send.remote_free.issue(slot),
-                        by_token=job.by_token,
-                    ),
-                )
-            for _ in range(job.send.settled - ended):
-                sg.end_transfer(room)
-            if job.send.error and not rec.stopping:
+                self._piece_ready(rec, job, piece, slot)
+            if job.send.settled > ended:
+                self._feed(rec, Settled(job.send.settled - ended))
+            if job.send.error and rec.phase.sends:
                 job.send.abandon()
-                self._fail(
-                    rec,
-                    f"staged transfer to {job.info.agent} failed: {job.send.error}",
-                    finish=False,
+                self._feed(
+                    rec, Failure(f"staged transfer to {job.info.agent} failed: {job.send.error}")
                 )
         if rec.jobs and not any(j.send.in_flight or not j.send.finished for j in rec.jobs):
-            broken = next((j for j in rec.jobs if j.send.error and not j.fell_back), None)
-            if broken is not None and not rec.stopping:
-                # never conclude Success for a chunk whose pieces did not all land
-                self._fail(
-                    rec,
-                    f"staged transfer to {broken.info.agent} failed: {broken.send.error}",
-                    finish=False,
-                )
-            rec.nbytes += sum(j.send.nbytes for j in rec.jobs)
-            rec.descriptors += sum(j.send.done_pieces for j in rec.jobs)
-            rec.pieces += sum(j.send.done_pieces for j in rec.jobs)
-            rec.jobs = []
+            self._end_jobs(rec)
         return settled
+
+    def _piece_ready(self, rec: PrefillRoom, job: StagedJob, piece: Any, slot: int) -> None:
+        """Tell the decode where a piece landed."""
+        geo, me = job.send.geometry, self.ctx.me
+        self.ctx.send(
+            job.peer.endpoint,
+            PieceReady(
+                room=rec.room,
+                prefill_rank=me.rank,
+                ip=me.ip,
+                port=me.port,
+                slot=slot,
+                r0=piece.r0,
+                r1=piece.r1,
+                j0=piece.j0,
+                j1=piece.j1,
+                page_start=job.page_start,
+                page_count=job.page_count,
+                unit_len=piece.unit_len,
+                units_per_item=geo.units_per_item,
+                dst_stride=geo.dst_stride or piece.unit_len,
+                dst_offset=geo.dst_offset,
+                seq=job.send.remote_free.issue(slot),
+                by_token=job.by_token,
+            ),
+        )
+
+    def _end_jobs(self, rec: PrefillRoom) -> None:
+        """Every job of the room ended: count them, and they stop counting as in flight."""
+        broken = next((j for j in rec.jobs if j.send.error and not j.fell_back), None)
+        if broken is not None and rec.phase.sends:
+            # never conclude Success for a chunk whose pieces did not all land
+            self._feed(
+                rec, Failure(f"staged transfer to {broken.info.agent} failed: {broken.send.error}")
+            )
+        rec.nbytes += sum(j.send.nbytes for j in rec.jobs)
+        rec.descriptors += sum(j.send.done_pieces for j in rec.jobs)
+        rec.pieces += sum(j.send.done_pieces for j in rec.jobs)
+        ended, rec.jobs = len(rec.jobs), []
+        self._feed(rec, Settled(ended))
 
     def _slot_wait_over(self, job: StagedJob) -> bool:
         """Nothing posted yet and no receiver slot came within ``slot_wait_s``."""
@@ -255,7 +253,6 @@ class StagedPath:
         job.fell_back = True
         ctx.fallbacks += 1
         job.send.abandon("no receiver staging slot")  # gives back gathered local slots
-        rec.jobs = [j for j in rec.jobs if j is not job]
         logger.info(
             "sgl-nixl: room %s: no staging slot from decode %s within %.1fs; chunk goes direct",
             rec.room,
@@ -270,7 +267,10 @@ class StagedPath:
                 ),
             )
         except (TransferError, ValueError) as exc:
-            self._fail(rec, str(exc), finish=False)
+            self._feed(rec, Failure(str(exc)))
+        finally:  # the job ends after its direct WRITE counts: the room never reads as idle
+            rec.jobs = [j for j in rec.jobs if j is not job]
+            self._feed(rec, Settled())
 
     # -- receiver slots ------------------------------------------------------------------
     def _ask_slots(self, room: int, info: TransferInfo, credits: SlotCredits) -> None:
@@ -302,7 +302,7 @@ class StagedPath:
         when it arrives are usually scattered a moment later)."""
         for agent in list(rec.recalls):
             credits = rec.credits.get(agent)
-            if credits is None or not credits.granted or rec.stopping:
+            if credits is None or not credits.granted or not rec.phase.sends:
                 rec.recalls.discard(agent)  # ended, nothing held, or failing: nothing to do
                 continue
             if any(

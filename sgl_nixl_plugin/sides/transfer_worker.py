@@ -3,8 +3,10 @@
 A worker submits each chunk's WRITEs (direct or staged) without waiting and polls every
 transfer it has in flight with backoff, so many rooms bound for the same decode move at once.
 Rooms are sharded across workers by room id, so one room's chunks stay in order; the worker
-that owns a room is the only thread that changes its record's transfers, and the one that
-closes it (``PrefillRooms.close``) once nothing is in flight.
+that owns a room is the only thread that changes its record's transfers. It feeds the room's
+machine (``protocol.prefill_machine``) what happens (a chunk, a post, a settle, a failure,
+SGLang's status) and carries out the effects it returns (``_apply``): the phase decides
+whether to send, conclude or close.
 """
 
 from __future__ import annotations
@@ -21,13 +23,22 @@ from sgl_nixl_plugin import metrics
 from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.one_pass import KernelXfer
 from sgl_nixl_plugin.protocol.peers import DecodePeer
-from sgl_nixl_plugin.protocol.prefill_rooms import (
-    TERMINAL,
-    Chunk,
+from sgl_nixl_plugin.protocol.prefill_machine import (
+    ChunkIn,
+    Close,
+    Concluded,
+    ConcludeFailure,
+    ConcludeSuccess,
+    Effect,
+    Event,
+    Failure,
+    Mirror,
+    Posted,
     PrefillPhase,
-    PrefillRoom,
-    TransferInfo,
+    Settled,
+    StatusEnded,
 )
+from sgl_nixl_plugin.protocol.prefill_rooms import Chunk, PrefillRoom, TransferInfo
 from sgl_nixl_plugin.sides.context import PrefillContext
 from sgl_nixl_plugin.sides.staged_path import StagedPath
 
@@ -54,7 +65,7 @@ class TransferWorker:
         self.kernels = 0  # one-pass copies in flight (each ends in ~1 ms: poll at once)
         self._backoff = self.MIN_BACKOFF_S
         self._stop = threading.Event()
-        self.staged = StagedPath(ctx, self._track, self._fail)
+        self.staged = StagedPath(ctx, self._track, self._feed)
         self.thread = threading.Thread(target=self._run, name=f"sgl-nixl-xfer-{index}", daemon=True)
 
     def start(self) -> None:
@@ -78,7 +89,7 @@ class TransferWorker:
         if self.ctx.copier is not None:
             self.ctx.copier.bind(self.ctx.copy_stream)  # this thread gathers on that stream
         while not self._stop.is_set():
-            busy = any(r.busy for r in self.active.values())
+            busy = any(r.in_flight for r in self.active.values())
             try:
                 chunk = self.queue.get(timeout=self._backoff if busy else self.IDLE_WAIT_S)
             except queue.Empty:
@@ -91,12 +102,12 @@ class TransferWorker:
                         if rec is not None:
                             self.staged.serve_recalls(rec)
                     elif chunk is not _WAKE:
-                        self._submit(chunk)
+                        self.submit(chunk)
                     chunk = self.queue.get_nowait() if not self.queue.empty() else None
                 quick = self.kernels > 0 or any(
                     j.send.needs_polling for r in self.active.values() for j in r.jobs
                 )
-                if self._poll() == 0 and busy and not quick:
+                if self.poll() == 0 and busy and not quick:
                     # staged pieces move in ~0.1 ms steps (gather done, WRITE done, slot
                     # freed): keep the shortest wait while any is in flight
                     self._backoff = min(self._backoff * 2, self.MAX_BACKOFF_S)
@@ -105,49 +116,77 @@ class TransferWorker:
             except Exception:
                 logger.exception("sgl-nixl: transfer worker error; it goes on")
 
-    # -- submission ----------------------------------------------------------------------
-    def _submit(self, chunk: Chunk) -> None:
-        # Count this submission as outstanding *before* reading the room's status: an abort
-        # marks the room Failed, then acks once nothing is outstanding, so either it sees
-        # this reservation (and its ack waits for the WRITEs posted here) or we see Failed.
-        sg, room = self.ctx.sglang, chunk.room
-        sg.begin_transfer(room)
-        try:
-            self._submit_reserved(chunk)
-        except Exception as exc:  # a bug must fail the room, never let it end as Success
-            logger.exception("sgl-nixl: room %s: submitting a chunk failed", room)
-            rec = self.active.get(room) or self.active.setdefault(room, self.ctx.rooms.claim(room))
-            self._fail(rec, f"internal error while submitting a chunk: {exc!r}")
-        finally:
-            sg.end_transfer(room)
+    # -- the room's machine -------------------------------------------------------------
+    def _feed(self, rec: PrefillRoom, event: Event) -> None:
+        self._apply(rec, rec.on(event))
 
-    def _submit_reserved(self, chunk: Chunk) -> None:
-        sg, room = self.ctx.sglang, chunk.room
-        rec = self.active.get(room)
+    def _apply(self, rec: PrefillRoom, effects: list[Effect]) -> None:
+        """Carry out what the room's machine decided, in order."""
+        ctx, room = self.ctx, rec.room
+        for effect in effects:
+            if isinstance(effect, Mirror):
+                ctx.sglang.mirror_in_flight(room, effect.in_flight)
+            elif isinstance(effect, ConcludeFailure):
+                for job in rec.jobs:
+                    job.send.abandon(effect.reason)
+                logger.error("sgl-nixl: room %s failed: %s", room, effect.reason)
+                ctx.sglang.conclude_failure(room, effect.reason)
+                ctx.observe(rec, ok=False, reason=effect.reason)
+            elif isinstance(effect, ConcludeSuccess):
+                # the decode's status first, then bookkeeping; Success is what SGLang emitted
+                # (another thread may have failed the room since: it sent the failure)
+                ok = not ctx.sglang.is_failed_or_gone(room) and ctx.sglang.conclude_success(room)
+                self._feed(rec, Concluded(ok))
+            elif isinstance(effect, Close):
+                if self.active.get(room) is rec:
+                    del self.active[room]
+                ctx.rooms.close(rec)
+                if effect.phase is PrefillPhase.SUCCEEDED:
+                    ctx.observe(rec, ok=True)
+
+    # -- submission ----------------------------------------------------------------------
+    def submit(self, chunk: Chunk) -> None:
+        """Post a chunk's WRITEs (the worker thread; tests call it in process). The chunk
+        counts as in flight before the room's status is read: an abort marks the room
+        Failed, then ACKs once nothing is in flight, so either it sees this chunk (and its
+        ACK waits for the WRITEs posted here) or we see Failed."""
+        rec = self.active.get(chunk.room)
         if rec is None:
-            rec = self.active[room] = self.ctx.rooms.claim(room)
-        rec.last_chunk_seen = rec.last_chunk_seen or chunk.is_last
+            rec, effects = self.ctx.rooms.claim(chunk.room, chunk.is_last)
+            self.active[chunk.room] = rec
+            self._apply(rec, effects)
+        else:
+            self._feed(rec, ChunkIn(chunk.is_last))
+        try:
+            self._submit_counted(rec, chunk)
+        except Exception as exc:  # a bug must fail the room, never let it end as Success
+            logger.exception("sgl-nixl: room %s: submitting a chunk failed", chunk.room)
+            self._feed(rec, Failure(f"internal error while submitting a chunk: {exc!r}"))
+        finally:
+            self._feed(rec, Settled())  # the chunk's posts are done
+            self._store_flags(rec)
+
+    def _submit_counted(self, rec: PrefillRoom, chunk: Chunk) -> None:
+        sg, room = self.ctx.sglang, chunk.room
         rec.chunks += 1
         if chunk.is_last:
             rec.last_chunk_at = time.perf_counter()
-        if rec.stopping or sg.is_failed_or_gone(room):
-            rec.fail(rec.reason or "room ended")
-            self._maybe_finish(rec)
+        if sg.is_failed_or_gone(room):
+            self._feed(rec, StatusEnded())
+        if not rec.phase.sends:
             return
         for ev in chunk.events:
             ev.synchronize()  # the forward pass must have written these pages
         infos = sg.destinations(room)
         if not infos:
-            self._fail(rec, "no decode destination was received for this room")
+            self._feed(rec, Failure("no decode destination was received for this room"))
             return
         try:
             for info in list(infos.values()):
-                if not info.is_dummy:
+                if not info.is_dummy and rec.phase.sends:
                     self._submit_to(rec, chunk, info)
         except (TransferError, ValueError) as exc:
-            self._fail(rec, str(exc))
-            return
-        self._maybe_finish(rec)
+            self._feed(rec, Failure(str(exc)))
 
     def _submit_to(self, rec: PrefillRoom, chunk: Chunk, info: TransferInfo) -> None:
         ctx = self.ctx
@@ -177,11 +216,12 @@ class TransferWorker:
             job = self.staged.job_for(rec, info, peer, src, dst, first)
             if job is not None:
                 rec.jobs.append(job)
+                self._feed(rec, Posted())  # the job, until it ends
                 rec.path = "staging"
                 self.staged.step(rec)  # first gather now, ahead of the aux and state WRITEs
             else:
                 self._track(rec, engine.write(link, group, src, dst))
-        if chunk.is_last:
+        if chunk.is_last and rec.phase.sends:
             self._post_tail(rec, chunk, info, link)
             op = link.one_pass
             if (
@@ -190,6 +230,8 @@ class TransferWorker:
                 and op.flags is not None
                 and info.agent not in rec.not_one_pass
             ):
+                if not rec.flags_due:
+                    self._feed(rec, Posted())  # the flags owed, until stored or dropped
                 rec.flags_due[info.agent] = (op, info.done_flag, info.done_value)
 
     def _post_tail(self, rec: PrefillRoom, chunk: Chunk, info: TransferInfo, link: Any) -> None:
@@ -219,7 +261,7 @@ class TransferWorker:
         rec.note_post()
         rec.nbytes += x.nbytes
         rec.descriptors += x.descriptors
-        self.ctx.sglang.begin_transfer(rec.room)
+        self._feed(rec, Posted())
 
     def _takes_one_pass(self, info: TransferInfo, peer: DecodePeer, src: np.ndarray) -> bool:
         """Whether the chunk goes by a one-pass copy: the link has one (mapped at
@@ -248,105 +290,83 @@ class TransferWorker:
             self.staged.give_back(rec, info.agent)  # granted with the request: not needed here
         return xfer
 
-    def _poll(self) -> int:
-        """Poll every transfer in flight; returns how many settled."""
-        ctx, settled = self.ctx, 0
-        for rec in list(self.active.values()):
-            if not rec.stopping and ctx.sglang.is_failed_or_gone(rec.room):
-                # failed by another thread (liveness, an abort) or cleared: stop here too,
-                # so a WRITE stuck to a lost decode is given up after the drain bound below
-                # instead of when (if ever) SGLang clears the sender
-                rec.fail("room ended")
-            if rec.jobs:
-                try:
-                    settled += self.staged.step(rec)
-                except Exception as exc:  # as in _submit: fail the room, keep the worker
-                    logger.exception("sgl-nixl: room %s: staged transfer step failed", rec.room)
-                    self._fail(rec, f"internal error in a staged transfer: {exc!r}", finish=False)
-            if rec.recalls:
-                self.staged.serve_recalls(rec)
-            if not (rec.jobs or rec.stopping or rec.last_chunk_seen):
-                for agent in list(rec.credits):  # between chunks: let other rooms use them
-                    self.staged.give_back(rec, agent)
-            if rec.xfers:
-                remaining = []
-                stuck_after = ctx.settings.abort_drain_timeout_s
-                for x in rec.xfers:
-                    state = ctx.engine.poll(x)
-                    if (
-                        state == "PROC"
-                        and rec.stopping
-                        and not isinstance(x, KernelXfer)  # a kernel ends; until then it writes
-                        and time.perf_counter() - x.started > stuck_after
-                    ):
-                        ctx.engine.agent.abandon(x)  # its peer is gone: it will never settle
-                        ctx.sglang.end_transfer(rec.room)
-                        settled += 1
-                        continue
-                    if state == "PROC":
-                        remaining.append(x)
-                        continue
-                    settled += 1
-                    if isinstance(x, KernelXfer):
-                        self.kernels -= 1
-                    if state == "DONE" and (t := ctx.engine.agent.telemetry(x)):
-                        metrics.telemetry(t)
-                        rec.nixl_post_us += t["post_us"]
-                        rec.nixl_xfer_us += t["xfer_us"]
-                    ctx.engine.release(x)
-                    ctx.sglang.end_transfer(rec.room)
-                    if state == "ERR" and not rec.stopping:
-                        self._fail(rec, x.error, finish=False)
-                rec.xfers = remaining
-            self._maybe_finish(rec)
+    def poll(self) -> int:
+        """Poll every transfer in flight (the worker thread; tests call it in process);
+        returns how many settled."""
+        return sum(self._poll_room(rec) for rec in list(self.active.values()))
+
+    def _poll_room(self, rec: PrefillRoom) -> int:
+        settled = 0
+        if not rec.phase.sends or self.ctx.sglang.is_failed_or_gone(rec.room):
+            # failed by another thread (liveness, an abort), cleared or released: stop here
+            # too, so a WRITE stuck to a lost decode is given up after the drain bound below
+            # instead of when (if ever) SGLang clears the sender
+            self._feed(rec, StatusEnded())
+        if rec.jobs:
+            try:
+                settled += self.staged.step(rec)
+            except Exception as exc:  # as in submit: fail the room, keep the worker
+                logger.exception("sgl-nixl: room %s: staged transfer step failed", rec.room)
+                self._feed(rec, Failure(f"internal error in a staged transfer: {exc!r}"))
+        if rec.recalls:
+            self.staged.serve_recalls(rec)
+        if rec.phase is PrefillPhase.SENDING and not rec.jobs:
+            for agent in list(rec.credits):  # between chunks: let other rooms use them
+                self.staged.give_back(rec, agent)
+        if rec.xfers:
+            settled += self._poll_xfers(rec)
+        self._store_flags(rec)
         return settled
 
-    def _fail(self, rec: PrefillRoom, reason: str, finish: bool = True) -> None:
-        for job in rec.jobs:
-            job.send.abandon(reason)
-        if rec.fail(reason):
-            logger.error("sgl-nixl: room %s failed: %s", rec.room, reason)
-            self.ctx.sglang.conclude_failure(rec.room, reason)
-            self.ctx.observe(rec, ok=False, reason=reason)
-        if finish:
-            self._maybe_finish(rec)
+    def _poll_xfers(self, rec: PrefillRoom) -> int:
+        """Settle the room's WRITEs and copies that ended; once the room drains, give up a
+        WRITE older than the drain bound (its peer is gone: it will never settle)."""
+        ctx, settled, remaining = self.ctx, 0, []
+        stuck_after = ctx.settings.abort_drain_timeout_s
+        for x in list(rec.xfers):
+            state = ctx.engine.poll(x)
+            if state == "PROC":
+                if (
+                    rec.phase is PrefillPhase.DRAINING
+                    and not isinstance(x, KernelXfer)  # a kernel ends; until then it writes
+                    and time.perf_counter() - x.started > stuck_after
+                ):
+                    ctx.engine.agent.abandon(x)
+                    settled += 1
+                    self._feed(rec, Settled())
+                else:
+                    remaining.append(x)
+                continue
+            settled += 1
+            if isinstance(x, KernelXfer):
+                self.kernels -= 1
+            if state == "DONE" and (t := ctx.engine.agent.telemetry(x)):
+                metrics.telemetry(t)
+                rec.nixl_post_us += t["post_us"]
+                rec.nixl_xfer_us += t["xfer_us"]
+            ctx.engine.release(x)
+            self._feed(rec, Settled(1, (x.error or "WRITE failed") if state == "ERR" else ""))
+        rec.xfers = remaining
+        return settled
 
     def _store_flags(self, rec: PrefillRoom) -> None:
         """Once only the room's copies are in flight (its aux rows and state landed, no
         staged job), queue each one-pass decode's completion flag behind them on the copy
         stream. A room that stops first stores none: its status message ends it."""
-        if rec.stopping or self.ctx.sglang.is_failed_or_gone(rec.room):
-            rec.flags_due.clear()
+        if not rec.flags_due:
             return
-        if rec.jobs or any(not isinstance(x, KernelXfer) for x in rec.xfers):
-            return
-        due, rec.flags_due = rec.flags_due, {}
-        for agent, (op, word, value) in due.items():
-            try:
-                self._track(rec, op.signal(word, value, self.ctx.copy_stream))
-            except Exception as exc:  # the flag only saves time: the status still goes
-                logger.warning(
-                    "sgl-nixl: room %s: no completion flag for decode %s: %s", rec.room, agent, exc
-                )
-
-    def _maybe_finish(self, rec: PrefillRoom) -> None:
-        """Close the room once nothing is in flight: failed, aborted, released or gone, or
-        its last chunk landed (Success; never for a room SGLang already marked Failed)."""
-        if rec.flags_due:
-            self._store_flags(rec)
-        if rec.busy:
-            return
-        sg, rooms = self.ctx.sglang, self.ctx.rooms
-        if rec.stopping or sg.is_failed_or_gone(rec.room):  # failed, aborted or cleared
-            self.active.pop(rec.room, None)
-            rooms.close(rec, PrefillPhase.FAILED)
-        elif rec.last_chunk_seen:
-            self.active.pop(rec.room, None)
-            if rec.phase in TERMINAL:
+        if rec.phase.sends and not self.ctx.sglang.is_failed_or_gone(rec.room):
+            if rec.jobs or any(not isinstance(x, KernelXfer) for x in rec.xfers):
                 return
-            # the decode's status first, then bookkeeping; another thread may have failed
-            # the room since the check above: then SGLang concluded (and sent) the failure
-            ok = sg.conclude_success(rec.room)
-            rooms.close(rec, PrefillPhase.SUCCEEDED if ok else PrefillPhase.FAILED)
-            if ok:
-                self.ctx.observe(rec, ok=True)
+            for agent, (op, word, value) in rec.flags_due.items():
+                try:
+                    self._track(rec, op.signal(word, value, self.ctx.copy_stream))
+                except Exception as exc:  # the flag only saves time: the status still goes
+                    logger.warning(
+                        "sgl-nixl: room %s: no completion flag for decode %s: %s",
+                        rec.room,
+                        agent,
+                        exc,
+                    )
+        rec.flags_due = {}
+        self._feed(rec, Settled())  # the flags owed

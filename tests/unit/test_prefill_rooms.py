@@ -5,37 +5,30 @@ from __future__ import annotations
 import pytest
 
 from sgl_nixl_plugin.protocol.credits import SlotCredits
-from sgl_nixl_plugin.protocol.prefill_rooms import EarlyAborts, PrefillPhase, PrefillRooms
-
-
-class _Job:
-    def __init__(self) -> None:
-        self.send = type("S", (), {"finished": False, "in_flight": True})()
+from sgl_nixl_plugin.protocol.prefill_machine import (
+    Close,
+    Concluded,
+    ConcludeSuccess,
+    Failure,
+    Mirror,
+    PrefillPhase,
+    Settled,
+)
+from sgl_nixl_plugin.protocol.prefill_rooms import EarlyAborts, PrefillRooms
 
 
 def test_success_closes_the_record_once_nothing_is_in_flight():
     rooms = PrefillRooms()
     rec = rooms.open(7)
     rec.credits["d"] = SlotCredits([0, 1])
-    assert rooms.claim(7) is rec and rec.phase is PrefillPhase.SENDING
-    rec.xfers.append(object())
-    assert rec.busy and not rec.stopping
-    rec.xfers.clear()
-    assert rooms.close(rec, PrefillPhase.SUCCEEDED)
-    assert 7 not in rooms and rec.phase is PrefillPhase.SUCCEEDED and not rec.credits
-    assert not rooms.close(rec, PrefillPhase.FAILED)  # once only
+    claimed, effects = rooms.claim(7, last=True)
+    assert claimed is rec and rec.phase is PrefillPhase.LANDING and effects == [Mirror(1)]
+    assert rooms.sizes() == {"rooms": 1, "rooms_busy": 1}
+    assert rec.on(Settled()) == [Mirror(0), ConcludeSuccess()]
+    assert rec.on(Concluded(True)) == [Close(PrefillPhase.SUCCEEDED)]
+    rooms.close(rec)
+    assert 7 not in rooms and not rec.credits
     assert rooms.sizes() == {"rooms": 0, "rooms_busy": 0}
-
-
-def test_failure_drains_then_closes():
-    rooms = PrefillRooms()
-    rec = rooms.claim(7)
-    rec.jobs.append(_Job())
-    assert rec.fail("decode lost") and not rec.fail("again")  # concluded once
-    assert rec.phase is PrefillPhase.DRAINING and rec.stopping and rec.busy
-    rec.jobs.clear()
-    rooms.close(rec, PrefillPhase.FAILED)
-    assert len(rooms) == 0 and rec.reason == "decode lost"
 
 
 def test_release_closes_an_unclaimed_room_and_marks_a_claimed_one():
@@ -43,26 +36,30 @@ def test_release_closes_an_unclaimed_room_and_marks_a_claimed_one():
     rooms.open(1).credits["d"] = SlotCredits([3])
     rooms.release(1)  # destinations came, no chunk ever: nothing in flight, gone now
     assert 1 not in rooms
-    rec = rooms.claim(2)
-    rec.xfers.append(object())
-    rooms.release(2)  # a worker holds it with a WRITE in flight: it closes it when drained
-    assert 2 in rooms and rec.released and rec.stopping
+    rec, _ = rooms.claim(2, last=False)
+    rooms.release(2)  # a worker holds it with its chunk in flight: it closes it when drained
+    assert 2 in rooms and rec.phase is PrefillPhase.DRAINING
+    assert rec.on(Settled()) == [Mirror(0), Close(PrefillPhase.FAILED)]
+    rooms.close(rec)
+    assert 2 not in rooms
     rooms.release(99)  # unknown: nothing happens
 
 
 def test_a_stale_closer_cannot_drop_a_newer_record_of_the_same_room_id():
     rooms = PrefillRooms()
-    old = rooms.claim(5)
-    assert rooms.close(old, PrefillPhase.FAILED)
+    old, _ = rooms.claim(5, last=False)
+    old.on(Failure("decode lost"))
+    old.on(Settled())
+    rooms.close(old)
     newer = rooms.open(5)  # the room id comes back with a new request
-    assert not rooms.close(old, PrefillPhase.FAILED)
+    rooms.close(old)
     assert rooms.get(5) is newer and newer.phase is PrefillPhase.AWAITING
 
 
-def test_close_refuses_a_phase_that_is_not_terminal():
+def test_close_refuses_a_room_that_is_not_closed():
     rooms = PrefillRooms()
     with pytest.raises(ValueError):
-        rooms.close(rooms.open(1), PrefillPhase.SENDING)
+        rooms.close(rooms.open(1))
 
 
 def test_slot_credits_give_everything_back_only_when_every_slot_is_free():

@@ -83,15 +83,14 @@ class FakeSGLang:
     def rooms_with_destinations(self) -> list:
         return list(self.infos.items())
 
-    def begin_transfer(self, room: int, n: int = 1) -> None:
-        self.outstanding[room] = self.outstanding.get(room, 0) + n
-
-    def end_transfer(self, room: int) -> None:
-        self.outstanding[room] -= 1
-        if not self.outstanding[room]:
-            del self.outstanding[room]
-            if room in self.ack_targets:
-                self.acked.append(room)
+    def mirror_in_flight(self, room: int, n: int) -> None:
+        assert n >= 0, n
+        if n:
+            self.outstanding[room] = n
+            return
+        self.outstanding.pop(room, None)
+        if room in self.ack_targets:
+            self.acked.append(room)
 
     def ack_abort_when_drained(self, room: int, ip: str, port: int, generation: int) -> None:
         self.ack_targets.add(room)
@@ -177,66 +176,66 @@ def _drained(side, room: int = ROOM) -> None:
 
 def test_success_closes_the_record_after_the_last_write(side):
     _destination(side)
-    side.worker._submit(_chunk(n=2, last=False))
-    side.worker._submit(_chunk(start=2, n=2, last=True))
+    side.worker.submit(_chunk(n=2, last=False))
+    side.worker.submit(_chunk(start=2, n=2, last=True))
     assert side.sg.outstanding[ROOM] == 2 and ROOM in side.ctx.rooms
     side.engine.posted[0].state = "DONE"
-    side.worker._poll()
+    side.worker.poll()
     assert side.sg.concluded == [] and ROOM in side.ctx.rooms  # one WRITE still in flight
     side.engine.posted[1].state = "DONE"
-    side.worker._poll()
+    side.worker.poll()
     assert side.sg.concluded == [(ROOM, "success")]
     _drained(side)
 
 
 def test_a_failed_write_fails_the_room_once_and_drains(side):
     _destination(side)
-    side.worker._submit(_chunk(n=2, last=False))
-    side.worker._submit(_chunk(start=2, n=2, last=True))
+    side.worker.submit(_chunk(n=2, last=False))
+    side.worker.submit(_chunk(start=2, n=2, last=True))
     side.engine.posted[0].state, side.engine.posted[0].error = "ERR", "remote hung up"
-    side.worker._poll()
+    side.worker.poll()
     assert side.sg.concluded == [(ROOM, "failed: remote hung up")]
     assert ROOM in side.ctx.rooms  # draining: the other WRITE is still in flight
     side.engine.posted[1].state = "DONE"
-    side.worker._poll()
+    side.worker.poll()
     assert side.sg.concluded == [(ROOM, "failed: remote hung up")]  # still once, no Success
     _drained(side)
 
 
 def test_an_abort_mid_transfer_acks_only_after_the_write_drained(side):
     _destination(side)
-    side.worker._submit(_chunk())
+    side.worker.submit(_chunk())
     control = PrefillControl(side.ctx, wake=lambda room: None, recall=lambda room: None)
     control.on_abort(Abort(ROOM, "127.0.0.1", 7001, generation=3))
     assert side.sg.status[ROOM] == FAILED and side.sg.acked == []  # the WRITE may still land
-    side.worker._poll()
+    side.worker.poll()
     assert ROOM in side.ctx.rooms and side.sg.acked == []
     side.engine.posted[0].state = "DONE"
-    side.worker._poll()
+    side.worker.poll()
     assert side.sg.acked == [ROOM] and not [c for c in side.sg.concluded if c[1] == "success"]
     _drained(side)
 
 
 def test_a_lost_decode_fails_the_next_chunk_with_its_name(side):
     _destination(side)
-    side.worker._submit(_chunk(n=2, last=False))
+    side.worker.submit(_chunk(n=2, last=False))
     side.engine.posted[0].state = "DONE"
-    side.worker._poll()
+    side.worker.poll()
     del side.ctx.peers.accepted[AGENT]  # the control thread dropped the peer
-    side.worker._submit(_chunk(start=2, n=2, last=True))
+    side.worker.submit(_chunk(start=2, n=2, last=True))
     assert side.sg.concluded == [(ROOM, f"failed: decode {AGENT} is no longer connected")]
     _drained(side)
 
 
 def test_a_sender_cleared_between_chunks_is_closed_by_its_worker(side):
     _destination(side)
-    side.worker._submit(_chunk(n=2, last=False))
+    side.worker.submit(_chunk(n=2, last=False))
     side.engine.posted[0].state = "DONE"
-    side.worker._poll()
+    side.worker.poll()
     assert ROOM in side.ctx.rooms and ROOM in side.worker.active
     side.sg.clear(ROOM)  # SGLang gave up on the request and cleared its sender
     side.ctx.rooms.release(ROOM)
-    side.worker._poll()
+    side.worker.poll()
     assert side.sg.concluded == []
     _drained(side)
 
@@ -250,7 +249,7 @@ def test_a_room_whose_sender_never_sent_is_closed_at_release(side):
 
 def test_a_chunk_for_a_room_with_no_destination_fails_it(side):
     side.sg.status[ROOM] = OPEN
-    side.worker._submit(_chunk())
+    side.worker.submit(_chunk())
     assert side.sg.concluded == [(ROOM, "failed: no decode destination was received for this room")]
     _drained(side)
 
@@ -270,13 +269,13 @@ def test_a_finished_room_reports_where_its_time_went(side, monkeypatch, caplog):
     _destination(side)
     rec = side.ctx.rooms.get(ROOM)
     rec.ready_at, rec.started = rec.started, rec.started - 1e-3  # filed 1 ms before ready
-    side.worker._submit(_chunk(n=2, last=False))
-    side.worker._submit(_chunk(start=2, n=2, last=True))
+    side.worker.submit(_chunk(n=2, last=False))
+    side.worker.submit(_chunk(start=2, n=2, last=True))
     rec.last_chunk_at -= 2e-3  # the last chunk came 2 ms before the end
     for x in side.engine.posted:
         x.state = "DONE"
     with caplog.at_level("DEBUG", logger="sgl_nixl_plugin.sides.context"):
-        side.worker._poll()
+        side.worker.poll()
     assert side.sg.concluded == [(ROOM, "success")]
     (event,) = events
     t = event.timeline
@@ -339,7 +338,7 @@ def test_a_staged_chunk_gathers_before_the_aux_and_state_writes_are_posted(side,
     side.ctx.rooms.open(ROOM)
     side.sg.mark_ready(ROOM)
     chunk = Chunk(ROOM, np.arange(4), slice(0, 4), True, 2, [np.array([6])])
-    side.worker._submit(chunk)
+    side.worker.submit(chunk)
     assert order == ["gather", "aux", "state0"], order
 
 
@@ -354,14 +353,14 @@ def test_a_post_that_raises_after_the_kv_write_still_waits_for_it(side):
     side.sg.mark_ready(ROOM)
     released: list[Xfer] = []
     side.engine.release = lambda x: released.append(x) or True
-    side.worker._submit(Chunk(ROOM, np.arange(4), slice(0, 4), True, 2, [np.arange(3)]))
+    side.worker.submit(Chunk(ROOM, np.arange(4), slice(0, 4), True, 2, [np.arange(3)]))
     why = "failed: state[0]: prefill has 3 indices, decode 2"
     assert side.sg.concluded == [(ROOM, why)]
     assert len(side.engine.posted) == 2  # the KV pages and the aux row
     assert ROOM in side.ctx.rooms and side.sg.outstanding[ROOM] == 2  # draining
     for x in side.engine.posted:
         x.state = "DONE"
-    side.worker._poll()
+    side.worker.poll()
     assert released == side.engine.posted and side.sg.concluded == [(ROOM, why)]
     _drained(side)
 
@@ -386,17 +385,17 @@ def test_a_one_pass_copy_launched_before_a_refused_post_is_waited_for(side):
     side.sg.add_destination(info)
     side.ctx.rooms.open(ROOM)
     side.sg.mark_ready(ROOM)
-    side.worker._submit(Chunk(ROOM, np.arange(4), slice(0, 4), True, 2, [np.arange(3)]))
+    side.worker.submit(Chunk(ROOM, np.arange(4), slice(0, 4), True, 2, [np.arange(3)]))
     why = "failed: state[0]: prefill has 3 indices, decode 2"
     assert len(launched) == 1 and side.worker.kernels == 1
     assert side.sg.concluded == [(ROOM, why)]
     assert ROOM in side.ctx.rooms and side.sg.outstanding[ROOM] == 2  # the copy, the aux row
     (aux,) = side.engine.posted
     aux.state = "DONE"
-    side.worker._poll()
+    side.worker.poll()
     assert ROOM in side.ctx.rooms  # the copy still runs
     launched[0].state = "DONE"
-    side.worker._poll()
+    side.worker.poll()
     assert side.worker.kernels == 0 and side.sg.concluded == [(ROOM, why)]
     _drained(side)
 
@@ -486,7 +485,7 @@ def test_a_chunk_submitted_while_its_decode_is_dropped_never_ends_in_success(sid
         # the worker thread, right after the link closed, with the peer it looked up
         # before the control thread took it out of the table
         monkeypatch.setattr(side.ctx.peers, "get", lambda agent: peer)
-        side.worker._submit(_chunk())
+        side.worker.submit(_chunk())
 
     monkeypatch.setattr(engine, "unlink", unlink_then_the_worker_runs)
     control.registrations.drop(AGENT, "closed its connection")
@@ -509,7 +508,7 @@ def test_a_write_stuck_in_a_room_failed_elsewhere_is_given_up_within_the_drain_b
     abandoned: list[Xfer] = []
     side.engine.agent.abandon = abandoned.append
     _destination(side)
-    side.worker._submit(_chunk())
+    side.worker.submit(_chunk())
     (x,) = side.engine.posted  # PROC for good: the link is cut
     if how == "liveness":
         side.ctx.fail_rooms_of_peer(AGENT, f"decode {AGENT} stopped answering")
@@ -517,10 +516,10 @@ def test_a_write_stuck_in_a_room_failed_elsewhere_is_given_up_within_the_drain_b
         control = PrefillControl(side.ctx, wake=lambda room: None, recall=lambda room: None)
         control.on_abort(Abort(ROOM, "127.0.0.1", 7001, generation=3))
     assert side.sg.status[ROOM] == FAILED and ROOM in side.sg.status  # sender not cleared
-    side.worker._poll()
+    side.worker.poll()
     assert abandoned == [] and ROOM in side.ctx.rooms  # within the bound: it may land
     x.started -= side.ctx.settings.abort_drain_timeout_s + 1
-    side.worker._poll()
+    side.worker.poll()
     assert abandoned == [x]
     assert not [c for c in side.sg.concluded if c[1] == "success"]
     if how == "abort":
@@ -664,3 +663,42 @@ def test_staged_writes_given_up_after_the_drain_bound_count_as_ended():
     send.step()
     assert abandoned == [x] and not send.in_flight
     assert send.settled == send.posted
+
+
+def test_a_one_pass_room_stores_its_completion_flag_before_it_concludes(side):
+    """The flag owed to a one-pass decode counts as in flight: when the copy and the aux
+    row settle in the same poll, the room stores the flag (behind the copy, on the copy
+    stream) and concludes Success only once that store is done, never before it."""
+    launched: list[KernelXfer] = []
+
+    class OnePass:
+        flags = object()  # the decode's flag board, mapped
+
+        def write(self, copier: Any, src: np.ndarray, dst: np.ndarray, stream: Any) -> KernelXfer:
+            launched.append(
+                KernelXfer(handle=None, peer=AGENT, nbytes=64 * len(src), descriptors=0)
+            )
+            return launched[-1]
+
+        def signal(self, word: int, value: int, stream: Any) -> KernelXfer:
+            launched.append(KernelXfer(handle=None, peer=AGENT, nbytes=8, descriptors=0))
+            return launched[-1]
+
+    side.ctx.peers.accepted[AGENT].link.one_pass = OnePass()
+    side.ctx.copier = object()
+    info = TransferInfo(ROOM, AGENT, "127.0.0.1", 7001, np.arange(4), 3, [], 1, False)
+    info.done_flag, info.done_value = 5, 9
+    side.sg.add_destination(info)
+    side.ctx.rooms.open(ROOM)
+    side.sg.mark_ready(ROOM)
+    side.worker.submit(Chunk(ROOM, np.arange(4), slice(0, 4), True, 2, None))
+    (aux,) = side.engine.posted
+    assert side.sg.outstanding[ROOM] == 3  # the copy, the aux row, the flag owed
+    launched[0].state = aux.state = "DONE"
+    side.worker.poll()
+    assert len(launched) == 2 and side.sg.concluded == []  # the flag's store is in flight
+    assert side.sg.outstanding[ROOM] == 1
+    launched[1].state = "DONE"
+    side.worker.poll()
+    assert side.sg.concluded == [(ROOM, "success")] and side.worker.kernels == 0
+    _drained(side)

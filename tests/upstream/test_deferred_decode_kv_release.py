@@ -374,8 +374,8 @@ def _prefill_room(cluster, room, status, outstanding):
     if status is not None:
         mgr.update_status(room, KVPoll.Bootstrapping)
         mgr.update_status(room, getattr(KVPoll, status))
-    if outstanding:  # what a transfer worker reserves before posting a chunk's WRITEs
-        mgr._staging_outstanding[room] += outstanding
+    if outstanding:  # a room's record with a chunk or WRITEs in flight, as its worker mirrors it
+        mgr.prefill.ctx.sglang.mirror_in_flight(room, outstanding)
 
 
 @generations
@@ -395,7 +395,8 @@ def test_drain_ack_follows_room_status_and_outstanding_writes(cluster, rooms, fa
         assert early == []  # the WRITE may still land: no ack yet
         target = mgr._deferred_ack_targets[room][(decode.ip, decode.port)]
         assert target.generation == GENERATION
-        mgr.prefill.ctx.sglang.end_transfer(room)  # the worker's last WRITE of the room completed
+        # the room's last WRITE settled: its worker mirrors the record's count of 0
+        mgr.prefill.ctx.sglang.mirror_in_flight(room, 0)
         acks = [decode.recv()]
     else:
         acks = early
@@ -443,7 +444,7 @@ def test_drain_ack_fans_out_to_every_decode_rank_that_aborted(cluster, rooms, fa
     rank1.send(mgr.rank_port, _abort(rank1, room, 8))
     assert rank0.round_trip(mgr.rank_port) == []
     assert rank1.round_trip(mgr.rank_port) == []
-    mgr.prefill.ctx.sglang.end_transfer(room)
+    mgr.prefill.ctx.sglang.mirror_in_flight(room, 0)
     assert rank0.recv().generation == 3
     assert rank1.recv().generation == 8
     assert rank0.round_trip(mgr.rank_port) == rank1.round_trip(mgr.rank_port) == []
@@ -458,7 +459,7 @@ def test_a_repeated_abort_from_one_decode_rank_keeps_its_latest_generation(
     decode.send(mgr.rank_port, _abort(decode, room, 3))
     decode.send(mgr.rank_port, _abort(decode, room, 4))
     assert decode.round_trip(mgr.rank_port) == []
-    mgr.prefill.ctx.sglang.end_transfer(room)
+    mgr.prefill.ctx.sglang.mirror_in_flight(room, 0)
     assert decode.recv().generation == 4
     assert decode.round_trip(mgr.rank_port) == []
 
@@ -468,14 +469,14 @@ def test_sender_clear_keeps_the_ack_target_until_the_write_drains(cluster, rooms
     KVPoll = cluster.KVPoll
     mgr, decode, room = cluster.prefill, fake_rank("decode"), rooms()
     sender = cluster.sender(room)
-    mgr._staging_outstanding[room] += 1
+    mgr.prefill.ctx.sglang.mirror_in_flight(room, 1)
     decode.send(mgr.rank_port, _abort(decode, room, 9))
     assert decode.round_trip(mgr.rank_port) == []
     assert sender.poll() == KVPoll.Failed
     sender.clear()  # the scheduler is done with the request; its WRITE is not
     assert room in mgr._deferred_ack_targets
     assert decode.round_trip(mgr.rank_port) == []
-    mgr.prefill.ctx.sglang.end_transfer(room)
+    mgr.prefill.ctx.sglang.mirror_in_flight(room, 0)
     assert decode.recv().generation == 9
 
 

@@ -139,13 +139,13 @@ def test_success_waits_for_an_outstanding_write_and_survives_clear(cluster, room
     room = rooms()
     sender = cluster.sender(room)
     sender._transfer_start_time = time.perf_counter() - 2.0
-    # A worker reserves each chunk's WRITEs in _staging_outstanding before posting them
-    # and settles them through SGLangRooms.end_transfer(); Success must wait for the last one.
-    mgr._staging_outstanding[room] += 1
+    # A room's worker mirrors what its record has in flight into _staging_outstanding
+    # (SGLangRooms.mirror_in_flight); Success must wait until that comes back to 0.
+    mgr.prefill.ctx.sglang.mirror_in_flight(room, 1)
     mgr.update_status(room, KVPoll.Success)
     assert sender.poll() == KVPoll.Transferring
     assert sender.conclude_state is None
-    mgr.prefill.ctx.sglang.end_transfer(room)
+    mgr.prefill.ctx.sglang.mirror_in_flight(room, 0)
     assert sender.poll() == KVPoll.Success
     assert sender._transfer_metric.transfer_latency_s >= 2.0  # the plugin reports latency
     sender.clear()
