@@ -25,17 +25,7 @@ from sgl_nixl_plugin.bench.workload import (
     aux_pattern,
     state_pattern,
 )
-
-
-def _prefill_registered(addr: str) -> bool:
-    """Whether the bootstrap at ``addr`` has every prefill rank (the open aggregate query)."""
-    import requests
-
-    q = "prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
-    try:
-        return requests.get(f"http://{addr}/route?{q}", timeout=1).status_code == 200
-    except requests.RequestException:
-        return False
+from sgl_nixl_plugin.transport import bootstrap_client
 
 
 def _started_up(mgr: Any, addr: str) -> bool:
@@ -77,7 +67,7 @@ class HandshakeClock:
         if time.monotonic() - self.probed.get(addr, 0.0) < self.PROBE_S:
             return False
         self.probed[addr] = time.monotonic()
-        if not _prefill_registered(addr):
+        if not bootstrap_client.prefill_up(addr, None):  # the open aggregate query
             return False
         if self.preconnect and not _started_up(self.mgr, addr):
             return False
