@@ -9,13 +9,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sgl_nixl_plugin.bench import procs
+from sgl_nixl_plugin.bench.ports import free_port
 from sgl_nixl_plugin.bench.rank import INTREE_PLUGINS, RankSpec, rank_main, requests_of
 from sgl_nixl_plugin.bench.workload import Workload
 
@@ -26,12 +26,6 @@ LOOPBACK_ENV = {
     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
     "PYTHONWARNINGS": "ignore",
 }
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank_process(
