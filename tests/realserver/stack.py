@@ -220,6 +220,7 @@ class PDStack:
     decode_pp: int = 1
     prefill_dp: int = 1  # attention DP ranks of each server (1: no DP attention)
     decode_dp: int = 1
+    named: bool = False  # the decode names the prefill in SGLANG_NIXL_PLUGIN_PREFILLS
 
     def __post_init__(self) -> None:
         self.decode_page = self.decode_page or self.page
@@ -257,10 +258,11 @@ class Launcher:
         plugins: Sequence[str] = (),
         pp: int = 1,
         model: Path | None = None,
+        env_extra: dict[str, str] | None = None,
     ) -> Server:
         (port,) = free_ports(1)
         argv = server_argv(model or self.model, port, tp, page, extra, pp)
-        env = server_env(backend, tp * pp, self.tmp, plugins)
+        env = {**server_env(backend, tp * pp, self.tmp, plugins), **(env_extra or {})}
         return Server(self.group.start(name, argv, env, PROCESS_DEADLINE_S), port)
 
     def _await(self, servers: Sequence[Server], path: str, timeout_s: float) -> None:
@@ -292,6 +294,7 @@ class Launcher:
         decode_pp: int = 1,
         prefill_dp: int = 1,
         decode_dp: int = 1,
+        named: bool = False,
     ) -> PDStack:
         """Prefill + decode (started together) and the router; ``decode_plugins``: extra
         test-only SGLang plugins for the decode server (the negative control); ``extra``:
@@ -301,7 +304,8 @@ class Launcher:
         decode's ``--page-size`` where it differs from the prefill's ``page``;
         ``prefill_pp``, ``decode_pp``: each server's ``--pp-size``; ``prefill_dp``,
         ``decode_dp``: each server's attention DP ranks (both servers then load the DP
-        model, and the servers with DP attention the ``dp_cpu`` shim)."""
+        model, and the servers with DP attention the ``dp_cpu`` shim); ``named``: the decode
+        names the prefill's bootstrap in ``SGLANG_NIXL_PLUGIN_PREFILLS``."""
         if host_receive:
             decode_plugins = [*decode_plugins, HOST_POOL_PLUGIN]
             decode_args = ["--disaggregation-decode-host-receive-threshold", "0"]
@@ -314,6 +318,8 @@ class Launcher:
         dp = max(prefill_dp, decode_dp) > 1
         if dp:
             tag += f"-dp{prefill_dp}to{decode_dp}"
+        if named:
+            tag += "-named"
         model = self.dp_model if dp else self.model
         prefill_plugins = [DP_CPU_PLUGIN] if prefill_dp > 1 else []
         if decode_dp > 1:
@@ -340,6 +346,7 @@ class Launcher:
             plugins=decode_plugins,
             pp=decode_pp,
             model=model,
+            env_extra={"SGLANG_NIXL_PLUGIN_PREFILLS": f"127.0.0.1:{bootstrap}"} if named else None,
         )  # fmt: skip
         (router_port,) = free_ports(1)
         router_argv = [
@@ -370,7 +377,7 @@ class Launcher:
             backend, tp, page, prefill, decode, router, bootstrap,
             startup_s=time.monotonic() - started, procs=procs, decode_page=dpage,
             prefill_pp=prefill_pp, decode_pp=decode_pp, prefill_dp=prefill_dp,
-            decode_dp=decode_dp,
+            decode_dp=decode_dp, named=named,
         )  # fmt: skip
 
     def stop(self, procs: Sequence[ManagedProcess]) -> None:

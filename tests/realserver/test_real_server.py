@@ -93,6 +93,7 @@ class Config:
     decode_pp: int = 1  # the decode's: 1 or ``pp``
     prefill_dp: int = 1  # attention DP ranks (--enable-dp-attention --dp-size N)
     decode_dp: int = 1
+    named: bool = False  # the decode names its prefill (SGLANG_NIXL_PLUGIN_PREFILLS)
     full: bool = False  # only in the full run (the gate runs one stack per feature)
 
     @property
@@ -105,7 +106,8 @@ class Config:
         pp = f"-pp{self.pp}to{self.decode_pp}" if self.pp > 1 else ""
         dp = f"-dp{self.prefill_dp}to{self.decode_dp}" if self.dp else ""
         page = f"p{self.page}" + (f"-d{self.decode_page}" if self.decode_page else "")
-        return f"{self.backend}-{page}{tp}{pp}{dp}" + ("-host" if self.host else "")
+        named = "-named" if self.named else ""
+        return f"{self.backend}-{page}{tp}{pp}{dp}" + ("-host" if self.host else "") + named
 
 
 #: Page sizes a real server can run on a CPU. SGLang 0.5.21 allocates pages of more than one
@@ -170,7 +172,8 @@ CONFIGS = _runnable(
         # SGLang's own backend on the same stage: proves the stage, not our plugin
         Config("in-tree", 16, full=True),
         Config("in-tree", 1, full=True),
-        Config("plugin", 16, tp=2),
+        # TP 2, the decode naming its prefill: linked and warmed before the first request
+        Config("plugin", 16, tp=2, named=True),
         Config("plugin", 16, host=True),
         # pages of different sizes on each side, both ways, paired token by token
         Config("plugin", 16, decode_page=64, metrics=True),
@@ -330,6 +333,8 @@ def _log_problems(stack: PDStack, sent: int) -> list[str]:
                     f"{role} log: {warm!r} {_count(log, warm)} times, expected {expected}; its "
                     "warm-up and connection lines:\n  " + "\n  ".join(why[-8:])
                 )
+            if role == "decode" and stack.named:
+                problems += _named_prefill_problems(log, decode_ranks)
             if role == "prefill" and stack.prefill_pp > 1:
                 whose = "its own stage" if stack.decode_pp > 1 else "its layers of this stage"
                 staged = f"into decode PP 0/{stack.decode_pp} ({whose})"
@@ -360,6 +365,25 @@ def _log_problems(stack: PDStack, sent: int) -> list[str]:
                 problems.append(
                     f"{role} log: control shim marker {shim} times, expected {tp} (one per rank)"
                 )
+    return problems
+
+
+def _named_prefill_problems(log: str, decode_ranks: int) -> list[str]:
+    """A decode that names its prefill (``SGLANG_NIXL_PLUGIN_PREFILLS``) registers with it
+    at start-up on every rank: each rank's "linked and warmed" line comes before the first
+    request's room line, so the first request a user sends finds the pair ready."""
+    problems = []
+    up = _count(log, "(named in SGLANG_NIXL_PLUGIN_PREFILLS) is up")
+    if up != decode_ranks:
+        problems.append(f"decode log: the named prefill seen up {up} times, not {decode_ranks}")
+    lines = log.splitlines()
+    warmed = [i for i, ln in enumerate(lines) if "ranks linked and warmed" in ln]
+    rooms = [i for i, ln in enumerate(lines) if "sgl-nixl decode room" in ln]
+    if rooms and (len(warmed) < decode_ranks or warmed[decode_ranks - 1] > rooms[0]):
+        problems.append(
+            f"decode log: {len(warmed)} ranks linked and warmed before line {rooms[0]} (the "
+            f"first room's), not {decode_ranks}"
+        )
     return problems
 
 
@@ -461,6 +485,7 @@ def test_pd_output_ids_match_reference(
             decode_pp=cfg.decode_pp,
             prefill_dp=cfg.prefill_dp,
             decode_dp=cfg.decode_dp,
+            named=cfg.named,
         )
         try:
             record_property("pd_startup_s", round(stack.startup_s, 1))
