@@ -1,7 +1,8 @@
 """Decode-side receiver: SGLang's common receiver speaking our wire, with fast failure.
 
 It opens the room's record with the prefill ranks that serve it (for liveness), fails at
-once when one of them refused this decode's layout, and sends aborts through the same
+once when one of them refused this decode's layout (or when the room id is that of a failed
+host room whose pages still drain), and sends aborts through the same
 socket as its transfer request so an abort can never overtake the request it cancels.
 """
 
@@ -26,8 +27,10 @@ class NixlPluginKVReceiver(CommonKVReceiver):
             return
         side = self.kv_mgr.decode
         endpoints = {(i["rank_ip"], int(i["rank_port"])) for i in infos}
-        side.rooms.open(self.bootstrap_room, endpoints)
+        rec = side.rooms.open(self.bootstrap_room, endpoints)
         why = side.policy.refusal_since(endpoints, started)
+        if not rec.phase.live:  # SGLang's tables are keyed by room id too
+            why = f"room {self.bootstrap_room} reused while its host pages still drain"
         if why is not None:
             side.ctx.sglang.fail(self.bootstrap_room, why)
             self.conclude_state = KVPoll.Failed
@@ -78,8 +81,8 @@ class NixlPluginKVReceiver(CommonKVReceiver):
 
     def is_abort_release_safe(self) -> bool:
         """Nothing more can land in this room's host pages (``DecodeRooms.release_safe``).
-        SGLang asks after its ``failure_exception()`` cleared the receiver: the drain
-        state outlives that clear."""
+        SGLang asks after its ``failure_exception()`` cleared the receiver: the record
+        stays in its table, DRAINING, until the answer is yes."""
         return self.kv_mgr.decode.rooms.release_safe(self.bootstrap_room)
 
     def _get_bootstrap_info_from_server(

@@ -1,9 +1,13 @@
 """A decode rank's rooms: one ``DecodeRoom`` record each, and the slot table they share.
 
 The record holds what this side knows about a room from SGLang's receiver ``init`` (the
-prefill ranks that serve it) to its ``_clear``: where its transfer requests go, its
-destination pages, the staging slots it holds (in the ``SlotTable``), its place in the
-grant order, and cached device copies of its page numbers. ``close`` is the only way out.
+prefill ranks that serve it) to its ``_clear`` (or, for a failed host room, to the end of
+its drain): where its transfer requests go, its destination pages, the staging slots it
+holds (in the ``SlotTable``), its place in the grant order, and cached device copies of its
+page numbers. It is a room machine (``decode_machine``): this table feeds it every event
+under its lock and carries out the effects; the record leaves the table on the machine's
+``Close`` only (``_close``). Queries about a room's data and slots see live rooms only
+(``DecodePhase.live``); a draining host room answers only for its drain.
 
 Slot policy (why no room waits for another forever):
 
@@ -18,7 +22,6 @@ Slot policy (why no room waits for another forever):
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections import deque
@@ -28,6 +31,25 @@ from typing import Any
 
 import numpy as np
 
+from sgl_nixl_plugin.protocol.decode_machine import (
+    AbortAcked,
+    Aborted,
+    Cleared,
+    Close,
+    DecodeMachine,
+    DecodePhase,
+    Effect,
+    Event,
+    HostPages,
+    NextTarget,
+    Opened,
+    PeerLost,
+    ReleaseSlots,
+    RequestsEnd,
+    RequestsStart,
+    SentTo,
+    Tick,
+)
 from sgl_nixl_plugin.protocol.slot_table import Endpoint, SlotState, SlotTable
 
 #: Receiver slots one room may hold: pieces land in one while earlier ones are scattered and
@@ -41,18 +63,10 @@ def slots_per_sender(senders: int) -> int:
     return max(1, SLOTS_PER_ROOM // max(1, senders))
 
 
-class DecodePhase(enum.Enum):
-    CONNECTING = "connecting"  # the prefill ranks are known; no transfer request sent yet
-    RECEIVING = "receiving"  # transfer requests sent: data and statuses are due
-    CLOSED = "closed"  # SGLang cleared the receiver; the record has left the table
-
-
 @dataclass(eq=False)
-class DecodeRoom:
-    room: int
-    endpoints: set[Endpoint]
-    phase: DecodePhase = DecodePhase.CONNECTING
-    targets: deque[Endpoint] = field(default_factory=deque)  # while requests go out, in order
+class DecodeRoom(DecodeMachine):
+    """Everything a room holds; its phase and drain are its ``DecodeMachine``'s."""
+
     pages: np.ndarray | None = None  # destination pages of a staged room
     senders: int = 1
     order: int = -1  # grant order (staged rooms)
@@ -60,21 +74,10 @@ class DecodeRoom:
     recalled: bool = False  # a SlotRecall for it is out and not yet answered
     units: dict[tuple[int, int, int], Any] = field(default_factory=dict)
     times: dict[str, float] = field(default_factory=dict)  # step -> perf_counter (timeline)
-    # a host-pool destination: SGLang holds its pages after a failure until every prefill
-    # rank the room was sent to acked the abort, or was lost a quarantine ago
-    host: bool = False
-    sent_to: set[Endpoint] = field(default_factory=set)
-    aborted_at: float | None = None  # when its abort went to its prefill ranks
-    acked: set[Endpoint] = field(default_factory=set)
-    lost_at: dict[Endpoint, float] = field(default_factory=dict)
     # one-pass senders' completion flags (``engine.done_flags``): every board word taken
     # for the room (freed when it closes), and the (word, value, prefill rank) not yet seen
     flag_words: list[int] = field(default_factory=list)
     flags_due: list[tuple[int, int, int]] = field(default_factory=list)
-
-    def undrained(self) -> set[Endpoint]:
-        """Prefill ranks that may still write into this room's pages."""
-        return self.sent_to - self.acked
 
     def timeline(self, ended: float) -> dict[str, float]:
         """Milliseconds: request sent to the first staged piece, to the last prefill status,
@@ -124,95 +127,121 @@ class DecodeRooms:
         self._clock = clock
         self.quarantine_s = quarantine_s
         self.counters = SlotCounters()
-        self._rooms: dict[int, DecodeRoom] = {}
-        self._draining: dict[int, DecodeRoom] = {}  # cleared host rooms not yet drained
+        self._rooms: dict[int, DecodeRoom] = {}  # live rooms, and failed host rooms draining
         self._waiting: deque[tuple[int, Endpoint]] = deque()  # senders without a slot
         self._next_order = 0
         self.lock = threading.RLock()
 
+    # -- the machine's events and effects ---------------------------------------------
+    def _feed(self, rec: DecodeRoom, event: Event) -> tuple[list[Effect], list[Grant]]:
+        """Apply ``event`` to ``rec`` and carry out its effects (lock held): the effects,
+        and the grants that released slots give waiting senders."""
+        effects = rec.on(event)
+        grants: list[Grant] = []
+        for effect in effects:
+            if isinstance(effect, ReleaseSlots):
+                grants += self._release_slots(rec, effect.failed)
+            elif isinstance(effect, Close):
+                self._close(rec)
+        return effects, grants
+
+    def _release_slots(self, rec: DecodeRoom, failed: bool) -> list[Grant]:
+        room = rec.room
+        self.slots.release_room(room, failed=failed, hold_s=self.quarantine_s)
+        if any(r == room for r, _ in self._waiting):
+            self._waiting = deque(w for w in self._waiting if w[0] != room)
+        rec.units = {}  # device copies of its page numbers die with the room
+        return self._serve_locked()
+
+    def _close(self, rec: DecodeRoom) -> None:
+        """The one way out of the table (the machine's ``Close``); never a newer record."""
+        if self._rooms.get(rec.room) is rec:
+            del self._rooms[rec.room]
+
+    def _live(self, room: int) -> DecodeRoom | None:
+        rec = self._rooms.get(room)
+        return rec if rec is not None and rec.phase.live else None
+
     # -- lifecycle --------------------------------------------------------------------
     def open(self, room: int, endpoints: set[Endpoint]) -> DecodeRoom:
-        """The receiver learnt which prefill ranks serve ``room`` (a repeat replaces them)."""
+        """The receiver learnt which prefill ranks serve ``room`` (a repeat replaces them).
+        A room id whose previous room's host pages still drain gets that record back, not
+        live (``phase.live`` is False): the caller fails the new room."""
         with self.lock:
             rec = self._rooms.get(room)
             if rec is None:
-                rec = self._rooms[room] = DecodeRoom(room, set(endpoints))
+                rec = self._rooms[room] = DecodeRoom(
+                    room, set(endpoints), quarantine_s=self.quarantine_s
+                )
             else:
-                rec.endpoints = set(endpoints)
+                self._feed(rec, Opened(frozenset(endpoints)))
             return rec
 
     def get(self, room: int) -> DecodeRoom | None:
-        return self._rooms.get(room)
+        """``room``'s record while SGLang holds its receiver."""
+        return self._live(room)
 
     def mark(self, room: int, step: str, first: bool = False) -> None:
         """``step`` of ``room`` happened now (``first``: keep the earliest, else the latest)."""
-        rec = self._rooms.get(room)
+        rec = self._live(room)
         if rec is not None and not (first and step in rec.times):
             rec.times[step] = time.perf_counter()
 
     def records(self) -> list[DecodeRoom]:
-        return list(self._rooms.values())
+        return [rec for rec in list(self._rooms.values()) if rec.phase.live]
 
     def __contains__(self, room: int) -> bool:
-        return room in self._rooms
+        return self._live(room) is not None
 
     def __len__(self) -> int:
-        return len(self._rooms)
+        return len(self.records())
 
     def close(self, room: int, ok: bool) -> list[Grant]:
-        """SGLang cleared the room: its record leaves, its slots return (quarantined after
-        a failure), its senders stop waiting; returns the grants this frees for others."""
+        """SGLang cleared the room: its slots return (quarantined after a failure), its
+        senders stop waiting, and its record leaves (a failed host room's once drained);
+        returns the grants this frees for others."""
         with self.lock:
-            rec = self._rooms.pop(room, None)
+            rec = self._live(room)
             if rec is None:
                 return []
-            rec.phase = DecodePhase.CLOSED
-            if rec.host and not ok and not self._drained(rec):
-                # SGLang clears a failed receiver before it asks whether its host pages
-                # may be reused: the drain state outlives the record until they may
-                self._draining[room] = rec
-            self.slots.release_room(room, failed=not ok, hold_s=self.quarantine_s)
-            if any(r == room for r, _ in self._waiting):
-                self._waiting = deque(w for w in self._waiting if w[0] != room)
-            return self._serve_locked()
+            return self._feed(rec, Cleared(ok, self._clock()))[1]
 
     # -- transfer requests ------------------------------------------------------------
     def start_requests(self, room: int, targets: list[Endpoint]) -> None:
         """SGLang is about to send one request per prefill rank, in this order."""
         with self.lock:
             rec = self._rooms.get(room) or self.open(room, set(targets))
-            rec.times.setdefault("requested", time.perf_counter())
-            rec.targets = deque(targets)
+            if rec.phase.live:
+                rec.times.setdefault("requested", time.perf_counter())
+            self._feed(rec, RequestsStart(tuple(targets)))
 
     def next_target(self, room: int) -> Endpoint | None:
         """The prefill rank the request being built goes to."""
         with self.lock:
-            rec = self._rooms.get(room)
-            if rec is None or not rec.targets:
+            rec = self._live(room)
+            if rec is None:
                 return None
-            target = rec.targets.popleft()
-            rec.sent_to.add(target)
-            return target
+            sent = [e for e in self._feed(rec, NextTarget())[0] if isinstance(e, SentTo)]
+            return sent[0].endpoint if sent else None
 
     def end_requests(self, room: int) -> None:
         with self.lock:
-            rec = self._rooms.get(room)
+            rec = self._live(room)
             if rec is not None:
-                rec.targets.clear()
-                rec.phase = DecodePhase.RECEIVING
+                self._feed(rec, RequestsEnd())
 
     def endpoints(self, room: int) -> set[Endpoint]:
-        rec = self._rooms.get(room)
+        rec = self._live(room)
         return set(rec.endpoints) if rec is not None else set()
 
     def rooms_served_by(self, endpoint: Endpoint) -> list[int]:
         with self.lock:
-            return [r for r, rec in self._rooms.items() if endpoint in rec.endpoints]
+            return [rec.room for rec in self.records() if endpoint in rec.endpoints]
 
     def endpoints_of(self, rooms_pending: Callable[[int], bool]) -> set[Endpoint]:
         """Prefill ranks that serve a room for which ``rooms_pending(room)`` holds."""
         with self.lock:
-            recs = list(self._rooms.values())
+            recs = self.records()
         out: set[Endpoint] = set()
         for rec in recs:
             if rooms_pending(rec.room):
@@ -223,69 +252,60 @@ class DecodeRooms:
     def set_host(self, room: int) -> None:
         """``room``'s pages are in the decode's host pool (set before its requests go out)."""
         with self.lock:
-            rec = self._rooms.get(room)
+            rec = self._live(room)
             if rec is not None:
-                rec.host = True
+                self._feed(rec, HostPages())
 
     def is_host(self, room: int) -> bool:
         """A host-pool room, also once SGLang cleared it while its drain is due."""
-        rec = self._rooms.get(room) or self._draining.get(room)
+        rec = self._rooms.get(room)
         return rec is not None and rec.host
 
     def aborted(self, room: int) -> None:
         """An abort of ``room`` went to its prefill ranks (their ACKs are due)."""
         with self.lock:
-            rec = self._rooms.get(room)
-            if rec is not None and rec.aborted_at is None:
-                rec.aborted_at = self._clock()
+            rec = self._live(room)
+            if rec is not None:
+                self._feed(rec, Aborted())
 
     def abort_acked(self, room: int, endpoint: Endpoint) -> None:
         with self.lock:
-            for rec in self._host_records(room):
-                rec.acked.add(endpoint)
+            rec = self._rooms.get(room)
+            if rec is not None:
+                self._feed(rec, AbortAcked(endpoint, self._clock()))
 
     def peer_lost(self, endpoint: Endpoint) -> None:
         """``endpoint`` stopped answering: its host rooms' pages are safe a quarantine on."""
         with self.lock:
-            now = self._clock()
-            for rec in [*self._rooms.values(), *self._draining.values()]:
-                if rec.host and endpoint in rec.sent_to:
-                    rec.lost_at.setdefault(endpoint, now)
+            event = PeerLost(endpoint, self._clock())
+            for rec in list(self._rooms.values()):
+                self._feed(rec, event)
 
     def release_safe(self, room: int) -> bool:
         """Nothing more can land in ``room``'s host pages: every prefill rank it was sent
         to acked the abort, or was lost at least ``quarantine_s`` ago (a WRITE posted before
         the loss may still be in the network). A room without a record is safe; a cleared
-        one is forgotten once it is."""
+        one leaves its table once it is."""
         with self.lock:
-            safe = all(self._drained(rec) for rec in self._host_records(room))
-            if safe:
-                self._draining.pop(room, None)
-            return safe
-
-    def _host_records(self, room: int) -> list[DecodeRoom]:
-        return [r for r in (self._rooms.get(room), self._draining.get(room)) if r is not None]
-
-    def _drained(self, rec: DecodeRoom) -> bool:
-        now = self._clock()
-        return all(
-            ep in rec.lost_at and now - rec.lost_at[ep] >= self.quarantine_s
-            for ep in rec.undrained()
-        )
+            rec = self._rooms.get(room)
+            if rec is None:
+                return True
+            now = self._clock()
+            self._feed(rec, Tick(now))
+            return rec.phase.terminal or rec.drained(now)
 
     def drain_endpoints(self) -> set[Endpoint]:
         """Prefill ranks whose abort ACK an aborted host room still waits for (watched for
         loss, so that a dead one cannot hold the host pages for good). Cleared rooms that
-        drained meanwhile are forgotten here."""
+        drained meanwhile leave their table here."""
         with self.lock:
-            for room in [r for r, rec in self._draining.items() if self._drained(rec)]:
-                del self._draining[room]
-            return {
-                ep
-                for rec in [*self._rooms.values(), *self._draining.values()]
-                if rec.host and rec.aborted_at is not None
-                for ep in rec.undrained() - set(rec.lost_at)
-            }
+            tick = Tick(self._clock())
+            out: set[Endpoint] = set()
+            for rec in list(self._rooms.values()):
+                if rec.phase is DecodePhase.DRAINING:
+                    self._feed(rec, tick)
+                out |= rec.acks_due()
+            return out
 
     # -- staging slots ----------------------------------------------------------------
     def grant(
@@ -293,9 +313,12 @@ class DecodeRooms:
     ) -> tuple[list[int], bool]:
         """Slots for one sender of a staged ``room`` at its transfer request, and whether
         its page numbers are new (to be uploaded now). None while others wait: the sender
-        then asks and is served in room order."""
+        then asks and is served in room order; none for a room id whose previous room
+        still drains."""
         with self.lock:
-            rec = self._rooms.get(room) or self.open(room, {sender} if sender else set())
+            rec = self._live(room) or self.open(room, {sender} if sender else set())
+            if not rec.phase.live:
+                return [], False
             fresh = rec.pages is None
             rec.pages = np.array(pages, dtype=np.int64)
             rec.senders = max(1, int(senders))
@@ -310,7 +333,7 @@ class DecodeRooms:
         """``sender`` of ``room`` found no slot: queue it (once). False if it may not ask
         (not a staged room of ours, or not one of its prefill ranks)."""
         with self.lock:
-            rec = self._rooms.get(room)
+            rec = self._live(room)
             if rec is None or rec.pages is None or sender not in rec.endpoints:
                 return False, [], []
             if (room, sender) not in self._waiting:
@@ -323,7 +346,7 @@ class DecodeRooms:
     ) -> tuple[list[int], list[Grant]]:
         """``sender`` returns ``slots`` of ``room`` (SlotReturn): (refused slots, grants)."""
         with self.lock:
-            rec = self._rooms.get(room)
+            rec = self._live(room)
             if rec is None or sender not in rec.endpoints:
                 return sorted(slots) or [-1], []
             bad = self.slots.give_back(room, sender, slots)
@@ -339,7 +362,7 @@ class DecodeRooms:
         more there, so its idle slots go to waiting rooms now (freeing them only at the
         room's end would let rooms with several senders wait on each other)."""
         with self.lock:
-            if room not in self._rooms:
+            if room not in self:
                 return []
             freed = self.slots.release_sender(room, sender)
             self.counters.freed_early += freed
@@ -356,21 +379,20 @@ class DecodeRooms:
     def _serve_locked(self) -> list[Grant]:
         grants: list[Grant] = []
         while self._waiting and self.slots.free:
-            i = min(
-                range(len(self._waiting)),
-                key=lambda k: (
-                    self._rooms[r].order if (r := self._waiting[k][0]) in self._rooms else -1
-                ),
-            )
+            i = min(range(len(self._waiting)), key=lambda k: self._order(self._waiting[k][0]))
             room, sender = self._waiting[i]
             del self._waiting[i]
-            rec = self._rooms.get(room)
+            rec = self._live(room)
             if rec is None:
                 continue
             slots = self.slots.grant(room, sender, slots_per_sender(rec.senders))
             grants += [(sender, room, s) for s in slots]
             self.counters.late_grants += len(slots)
         return grants
+
+    def _order(self, room: int) -> int:
+        rec = self._live(room)
+        return rec.order if rec is not None else -1
 
     def _recall_idle_locked(self) -> list[Recall]:
         """Senders wait: ask each room that holds slots with no piece in them (granted
@@ -380,7 +402,8 @@ class DecodeRooms:
             return []
         waiting = set(self._waiting)
         out: list[Recall] = []
-        for room, rec in self._rooms.items():
+        for rec in self.records():
+            room = rec.room
             held = self.slots.of_room(room)
             if not held or rec.recalled or self.slots.busy_in(room):
                 continue
@@ -398,14 +421,14 @@ class DecodeRooms:
         return len(self._waiting)
 
     def is_staged(self, room: int) -> bool:
-        rec = self._rooms.get(room)
+        rec = self._live(room)
         return rec is not None and rec.staged
 
     # -- pieces -----------------------------------------------------------------------
     def piece_target(self, room: int, slot: int) -> tuple[str, np.ndarray | None]:
         """Where a piece announced in ``slot`` goes: (problem or '', destination pages)."""
         with self.lock:
-            rec = self._rooms.get(room)
+            rec = self._live(room)
             s = self.slots.slots[slot] if 0 <= slot < len(self.slots) else None
             if rec is None or rec.pages is None or s is None or s.room != room:
                 return f"slot {slot} was not granted to this room", None
@@ -423,20 +446,20 @@ class DecodeRooms:
             self.slots.scattered(slot)
 
     def cached_units(self, room: int, key: tuple[int, int, int]) -> Any:
-        rec = self._rooms.get(room)
+        rec = self._live(room)
         return rec.units.get(key) if rec is not None else None
 
     def cache_units(self, room: int, key: tuple[int, int, int], units: Any) -> bool:
         """Keep a device copy of unit numbers, unless the room ended meanwhile."""
         with self.lock:
-            rec = self._rooms.get(room)
+            rec = self._live(room)
             if rec is None:
                 return False
             rec.units[key] = units
             return True
 
     def pages_of(self, room: int) -> np.ndarray | None:
-        rec = self._rooms.get(room)
+        rec = self._live(room)
         return rec.pages if rec is not None else None
 
     # -- drain checks -----------------------------------------------------------------
@@ -444,9 +467,10 @@ class DecodeRooms:
         """What must return to zero once every room ended (bench and tests)."""
         with self.lock:
             held = len(self.slots) - self.slots.count(SlotState.FREE)
+            draining = [r for r in self._rooms.values() if r.phase is DecodePhase.DRAINING]
             return {
-                "rooms": len(self._rooms),
-                "host_draining": len(self._draining),
+                "rooms": len(self._rooms) - len(draining),
+                "host_draining": len(draining),
                 "waiting": len(self._waiting),
                 "slots_held": held - self.slots.count(SlotState.QUARANTINED),
                 "slots_busy": self.slots.count(SlotState.BUSY),

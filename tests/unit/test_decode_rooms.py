@@ -24,12 +24,13 @@ def test_a_room_record_lives_from_init_to_clear():
     rec = rooms.open(7, {P5})
     assert rec.phase is DecodePhase.CONNECTING and rooms.endpoints(7) == {P5}
     rooms.start_requests(7, [P5])
+    assert rec.phase is DecodePhase.REQUESTING
     assert rooms.next_target(7) == P5 and rooms.next_target(7) is None
     rooms.end_requests(7)
     assert rec.phase is DecodePhase.RECEIVING
     assert rooms.rooms_served_by(P5) == [7] and rooms.endpoints_of(lambda r: r == 7) == {P5}
     rooms.close(7, ok=True)
-    assert rec.phase is DecodePhase.CLOSED and 7 not in rooms and rooms.rooms_served_by(P5) == []
+    assert rec.phase is DecodePhase.SUCCEEDED and 7 not in rooms and rooms.rooms_served_by(P5) == []
     _drained(rooms)
 
 
