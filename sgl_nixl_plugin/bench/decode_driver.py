@@ -25,7 +25,20 @@ from sgl_nixl_plugin.bench.workload import (
     aux_pattern,
     state_pattern,
 )
+from sgl_nixl_plugin.registry import hookimpl
+from sgl_nixl_plugin.registry import manager as registry
 from sgl_nixl_plugin.transport import bootstrap_client
+
+
+class Receipts:
+    """A registry observer that keeps each room's ``ReceiveEvent`` (the decode's timeline)."""
+
+    def __init__(self) -> None:
+        self.events: dict[int, Any] = {}
+
+    @hookimpl
+    def sgl_nixl_receive_done(self, event: Any) -> None:
+        self.events[event.room] = event
 
 
 def _started_up(mgr: Any, addr: str) -> bool:
@@ -101,6 +114,7 @@ class DecodeRoom:
     prefill_dp_rank: int
     t0: float
     wall0: float
+    sent_at: float = 0.0  # send_metadata returned (perf_counter)
     handshake_s: float | None = None
     handshake_parts: dict[str, float] | None = None
     abort_at: float | None = None
@@ -120,11 +134,16 @@ class DecodeDriver(SideDriver):
         env: dict[str, Any],
         progress: Any = None,
         requests: list[Request] | None = None,
+        reports: bool = True,
     ) -> None:
         """``progress(n)``: called with the number of rooms done as each one ends;
         ``requests``: the rooms ``step()`` admits (None: the rank's share of the workload;
-        a harness that starts its rooms itself passes none)."""
+        a harness that starts its rooms itself passes none); ``reports``: keep each room's
+        ``ReceiveEvent`` for ``report`` (a long-lived harness passes False)."""
         super().__init__(spec, env)
+        self.receipts = Receipts()
+        if reports:
+            registry.get_plugin_manager().register(self.receipts)
         self.started = time.perf_counter()  # time to ready: from here to the first request
         self.ready_s: float | None = None
         mgr = self.open_manager()
@@ -233,10 +252,11 @@ class DecodeDriver(SideDriver):
         if self.ready_s is None:
             self.ready_s = t0 - self.started
         self.send_metadata(receiver, r, pages, slot)
+        sent_at = time.perf_counter()
         # the first room to each prefill waited for the handshake before its clock
         handshake, parts = self.clock.first_room(addr, t0)
         self.active[r.room] = DecodeRoom(
-            r, receiver, pages, slot, dp_rank, t0, time.time(), handshake, parts,
+            r, receiver, pages, slot, dp_rank, t0, time.time(), sent_at, handshake, parts,
             None if r.abort_at_ms is None else t0 + r.abort_at_ms * 1e-3,
         )  # fmt: skip
 
@@ -267,10 +287,18 @@ class DecodeDriver(SideDriver):
         status = self._status(ctx)
         if status is None:
             return
+        seen_at = time.perf_counter()
         res: dict[str, Any] = {
             "ok": status == self.KVPoll.Success,
             "prefill_dp_rank": ctx.prefill_dp_rank,
-            "latency_s": time.perf_counter() - ctx.t0,
+            "latency_s": seen_at - ctx.t0,
+            # the loop's own steps (perf_counter, the clock of the ReceiveEvent stamps):
+            # send_metadata called and returned, the end seen (Success: the bench's T1)
+            "stamps": {
+                "request_at": ctx.t0,
+                "request_sent_at": ctx.sent_at,
+                "end_seen_at": seen_at,
+            },
             "reason": None,
             "wall0": ctx.wall0,
             "wall1": time.time(),
@@ -365,6 +393,9 @@ class DecodeDriver(SideDriver):
         for room, pages in self.painted.items():
             self.results[room]["written_after_ack"] = self.pools.unpainted(pages)
             self.pool.release(pages)
+        for room, res in self.results.items():  # SGLang cleared each: its event is in
+            ev = self.receipts.events.get(room)
+            res["timeline"] = dict(ev.timeline) if ev is not None else {}
         return {
             "results": self.results,
             "timed_out": timed_out,

@@ -57,6 +57,7 @@ class PrefillRoom:
     next_at: float = 0.0
     ready_seen: float | None = None
     send_wall: float | None = None
+    sent_at: float = 0.0  # the first chunk's send() returned (perf_counter)
     control_us: float = 0.0
 
 
@@ -208,10 +209,13 @@ class PrefillDriver(SideDriver):
             ctx.sender.send(
                 ctx.parts[i].astype(np.int32), state_indices=state, num_kv_tokens=ctx.tokens[i]
             )
-            ctx.control_us += (time.perf_counter() - t) * 1e6
+            t1 = time.perf_counter()
+            ctx.control_us += (t1 - t) * 1e6
+            ctx.sent_at = ctx.sent_at or t1
             ctx.next, ctx.next_at = i + 1, t + gap_s
 
     def _finish(self, room: int, ctx: PrefillRoom, ok: bool) -> None:
+        seen_at = time.perf_counter()
         reason = None
         if ok:
             ctx.sender.clear()
@@ -226,6 +230,14 @@ class PrefillDriver(SideDriver):
             "reason": reason,
             "control_us": ctx.control_us,
             "ready_ms": ((ctx.ready_seen or ctx.t0) - ctx.t0) * 1e3,
+            # the loop's own steps (perf_counter, the clock of the room's TransferEvent
+            # stamps): sender made, WaitingForInput seen, first send() returned, end seen
+            "stamps": {
+                "sender_at": ctx.t0,
+                "waiting_seen_at": ctx.ready_seen or 0.0,
+                "sent_at": ctx.sent_at,
+                "end_seen_at": seen_at,
+            },
         }
         self.results[room] = res
         self.pool.release(ctx.pages)
@@ -237,11 +249,12 @@ class PrefillDriver(SideDriver):
     # -- the end -------------------------------------------------------------------------
     def attach_reports(self) -> None:
         """Each room's report from the manager (it may come just after the status the
-        loop saw): its descriptors and path."""
+        loop saw): its descriptors, path and ``TransferEvent.timeline``."""
         for room, res in self.results.items():
             ev = self.collector.events.get(room)
             res["descriptors"] = getattr(ev, "descriptors", None)
             res["path"] = getattr(ev, "path", None)
+            res["timeline"] = dict(ev.timeline) if ev is not None else {}
             if ev is not None and ev.timeline:
                 logger.debug(
                     "bench prefill room %s: WaitingForInput seen %.3f ms after the sender "

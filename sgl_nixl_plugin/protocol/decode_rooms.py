@@ -96,6 +96,11 @@ class DecodeRoom(DecodeMachine):
             "wall_ms": ms("requested", None),
         }
 
+    def stamps(self, ended: float) -> dict[str, float]:
+        """When each step happened (``registry.spec.DECODE_STAMPS``: perf_counter seconds,
+        one clock for every process of the machine); steps not reached are left out."""
+        return {**{f"{k}_at": v for k, v in self.times.items()}, "ended_at": ended}
+
 
 @dataclass
 class SlotCounters:

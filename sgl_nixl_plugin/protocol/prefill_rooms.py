@@ -85,6 +85,8 @@ class PrefillRoom(RoomMachine):
     ready_at: float = 0.0  # every destination filed: SGLang's sender may send
     claimed_at: float = 0.0  # its first chunk reached the worker
     first_post_at: float = 0.0  # its first WRITE was posted
+    last_post_at: float = 0.0  # its latest WRITE (or copy, or flag) was posted
+    first_done_at: float = 0.0  # a WRITE, staged piece or copy of it was first seen done
     last_chunk_at: float = 0.0  # its last chunk reached the worker (after the last forward)
     chunks: int = 0  # chunks SGLang's sender handed over
     slot_wait_s: float = 0.0  # staged chunks waiting for the decode's first staging slot
@@ -98,8 +100,28 @@ class PrefillRoom(RoomMachine):
     flags_due: dict[str, tuple[Any, int, int]] = field(default_factory=dict)
 
     def note_post(self) -> None:
+        self.last_post_at = time.perf_counter()
         if not self.first_post_at:
-            self.first_post_at = time.perf_counter()
+            self.first_post_at = self.last_post_at
+
+    def note_done(self) -> None:
+        if not self.first_done_at:
+            self.first_done_at = time.perf_counter()
+
+    def stamps(self, ended: float) -> dict[str, float]:
+        """When each step happened (``registry.spec.PREFILL_STAMPS``: perf_counter seconds,
+        one clock for every process of the machine); steps not reached are left out."""
+        at = {
+            "started_at": self.started,
+            "ready_at": self.ready_at,
+            "claimed_at": self.claimed_at,
+            "last_chunk_at": self.last_chunk_at,
+            "first_post_at": self.first_post_at,
+            "last_post_at": self.last_post_at,
+            "first_done_at": self.first_done_at,
+            "ended_at": ended,
+        }
+        return {k: v for k, v in at.items() if v}
 
     def timeline(self, ended: float) -> dict[str, float]:
         """Milliseconds: first destination filed to the last (ready), ready to first chunk,

@@ -7,12 +7,13 @@ Third-party packages need only::
 """
 
 from sgl_nixl_plugin.registry.hookspecs import ENTRY_POINT_GROUP, hookimpl, hookspec
-from sgl_nixl_plugin.registry.spec import AgentConfig, BackendSpec, TransferEvent
+from sgl_nixl_plugin.registry.spec import AgentConfig, BackendSpec, ReceiveEvent, TransferEvent
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "AgentConfig",
     "BackendSpec",
+    "ReceiveEvent",
     "TransferEvent",
     "hookimpl",
     "hookspec",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pluggy
 
-from sgl_nixl_plugin.registry.spec import AgentConfig, BackendSpec, TransferEvent
+from sgl_nixl_plugin.registry.spec import AgentConfig, BackendSpec, ReceiveEvent, TransferEvent
 
 PROJECT_NAME = "sgl_nixl_plugin"
 ENTRY_POINT_GROUP = "sgl_nixl_plugin.backends"
@@ -37,6 +37,15 @@ def sgl_nixl_agent_config(config: AgentConfig) -> None:
 @hookspec
 def sgl_nixl_transfer_done(event: TransferEvent) -> None:
     """Observe one finished transfer. Runs on the transfer path: return quickly.
+
+    Exceptions are logged and swallowed; they never affect the transfer.
+    """
+
+
+@hookspec
+def sgl_nixl_receive_done(event: ReceiveEvent) -> None:
+    """Observe one room a decode rank received (ok or not), once SGLang cleared it. Runs on
+    SGLang's scheduler thread: return quickly.
 
     Exceptions are logged and swallowed; they never affect the transfer.
     """

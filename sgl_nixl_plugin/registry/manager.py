@@ -18,7 +18,7 @@ from typing import Any
 import pluggy
 
 from sgl_nixl_plugin.registry import builtin, hookspecs
-from sgl_nixl_plugin.registry.spec import AgentConfig, BackendSpec, TransferEvent
+from sgl_nixl_plugin.registry.spec import AgentConfig, BackendSpec, ReceiveEvent, TransferEvent
 
 logger = logging.getLogger(__name__)
 
@@ -216,8 +216,17 @@ def resolve_agent_config() -> AgentConfig:
 
 def notify_transfer(event: TransferEvent) -> None:
     """Tell every observer about ``event``. Never raises: observers cannot break transfers."""
+    _notify("sgl_nixl_transfer_done", event)
+
+
+def notify_receive(event: ReceiveEvent) -> None:
+    """Tell every decode-side observer about ``event``; never raises."""
+    _notify("sgl_nixl_receive_done", event)
+
+
+def _notify(hook_name: str, event: TransferEvent | ReceiveEvent) -> None:
     try:
-        impls = list(_implementations("sgl_nixl_transfer_done"))
+        impls = list(_implementations(hook_name))
     except Exception as exc:
         _log_failure("sgl-nixl-plugin: cannot list transfer observers: %s", exc)
         return

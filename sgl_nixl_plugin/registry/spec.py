@@ -105,5 +105,57 @@ class TransferEvent:
     #: ``to_post_ms`` (first chunk to first WRITE), ``slot_wait_ms``, ``writes_ms`` (first
     #: WRITE to the end), ``wall_ms``, ``after_last_ms`` (the last chunk to the end: what
     #: the request waits for after its last forward pass); plus ``chunks``, ``pieces`` and
-    #: NIXL's ``post_us`` / ``xfer_us``
+    #: NIXL's ``post_us`` / ``xfer_us``; and when each step happened, as ``*_at`` keys in
+    #: seconds of ``time.perf_counter()`` (see :data:`PREFILL_STAMPS`; a step that did not
+    #: happen has no key)
+    timeline: dict[str, float] = field(default_factory=dict)
+
+
+#: The absolute stamps of a prefill room in ``TransferEvent.timeline`` (seconds of
+#: ``time.perf_counter()``, i.e. CLOCK_MONOTONIC on Linux: one clock for every process of a
+#: machine, so they compare with a decode's ``ReceiveEvent`` stamps): its first decode
+#: destination filed, every destination filed, its first chunk at the transfer worker, its
+#: last chunk there, its first and last WRITE (or copy) posted, the first one seen done,
+#: and its end (the last transfer settled; its status went out just before).
+PREFILL_STAMPS: tuple[str, ...] = (
+    "started_at",
+    "ready_at",
+    "claimed_at",
+    "last_chunk_at",
+    "first_post_at",
+    "last_post_at",
+    "first_done_at",
+    "ended_at",
+)
+
+#: The absolute stamps of a decode room in ``ReceiveEvent.timeline`` (same clock as
+#: :data:`PREFILL_STAMPS`): its transfer requests going out, the first and last staged piece
+#: reaching the scatter thread, the last piece scattered, the (last) prefill status received
+#: (or, one-pass, its completion flag seen), that status applied for SGLang, and SGLang
+#: clearing the receiver.
+DECODE_STAMPS: tuple[str, ...] = (
+    "requested_at",
+    "first_piece_at",
+    "last_piece_at",
+    "scattered_at",
+    "status_at",
+    "applied_at",
+    "ended_at",
+)
+
+
+@dataclass(frozen=True)
+class ReceiveEvent:
+    """What an observer learns when a decode rank's room ends (SGLang cleared its receiver).
+
+    ``staged``: its pieces came through the decode's staging buffer; ``senders``: the
+    prefill ranks that serve it. ``timeline`` holds durations in ms (``to_first_piece_ms``,
+    ``to_status_ms``, ``status_to_applied_ms``, ``applied_to_clear_ms``, ``wall_ms``) and
+    the :data:`DECODE_STAMPS` the room reached.
+    """
+
+    room: int
+    ok: bool
+    staged: bool
+    senders: int
     timeline: dict[str, float] = field(default_factory=dict)

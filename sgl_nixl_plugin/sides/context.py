@@ -141,6 +141,7 @@ class PrefillContext(SideBase):
                 " ".join(f"{k}={v:g}" for k, v in timeline.items()),
                 f" reason={reason!r}" if reason else "",
             )
+        timeline.update(rec.stamps(ended))  # absolute: for observers, not the log line
         if self.staging is not None:
             metrics.staging_in_use("prefill", self.staging.num_slots - self.staging.free)
         registry.notify_transfer(

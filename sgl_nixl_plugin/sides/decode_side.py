@@ -11,6 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from sgl_nixl_plugin.protocol.decode_rooms import DecodeRoom
+from sgl_nixl_plugin.registry import manager as registry
+from sgl_nixl_plugin.registry.spec import ReceiveEvent
 from sgl_nixl_plugin.sides.context import DecodeContext
 from sgl_nixl_plugin.sides.decode_listener import DecodeListener
 from sgl_nixl_plugin.sides.decode_policy import DecodePolicy
@@ -130,16 +133,8 @@ class DecodeSide:
     def close_room(self, room: int, ok: bool) -> None:
         """SGLang cleared the receiver: the room's record goes, its slots return."""
         rec = self.ctx.rooms.get(room)
-        if rec is not None and logger.isEnabledFor(logging.DEBUG):
-            t = rec.timeline(time.perf_counter())
-            logger.debug(
-                "sgl-nixl decode room %s: %s staged=%s senders=%d %s",
-                room,
-                "ok" if ok else "failed",
-                rec.staged,
-                rec.senders,
-                " ".join(f"{k}={v:g}" for k, v in t.items()),
-            )
+        if rec is not None:
+            self._report(rec, ok)
         if rec is not None and rec.flag_words and self.ctx.flags is not None:
             for word in rec.flag_words:  # reused only after every other word
                 self.ctx.flags.free(word)
@@ -147,6 +142,22 @@ class DecodeSide:
         grants = self.ctx.rooms.close(room, ok)
         if self.ctx.staging is not None:
             self.ctx.staging.messenger(grants)
+
+    def _report(self, rec: DecodeRoom, ok: bool) -> None:
+        """The room's DEBUG line and its ``ReceiveEvent`` for observers."""
+        ended = time.perf_counter()
+        t = rec.timeline(ended)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "sgl-nixl decode room %s: %s staged=%s senders=%d %s",
+                rec.room,
+                "ok" if ok else "failed",
+                rec.staged,
+                rec.senders,
+                " ".join(f"{k}={v:g}" for k, v in t.items()),
+            )
+        t.update(rec.stamps(ended))
+        registry.notify_receive(ReceiveEvent(rec.room, ok, rec.staged, rec.senders, t))
 
     def threads(self) -> list[threading.Thread]:
         out = [self.listener.thread]

@@ -221,6 +221,7 @@ class DecodeStaging:
             try:
                 if isinstance(msg, PieceReady):
                     self.rooms.mark(msg.room, "first_piece", first=True)
+                    self.rooms.mark(msg.room, "last_piece")
                     self._launch(msg)
                 elif isinstance(msg, _Prepare):
                     self._prepare(msg.room)
@@ -240,6 +241,7 @@ class DecodeStaging:
                 try:
                     if isinstance(item, PieceReady):
                         self.rooms.scattered(item.slot)
+                        self.rooms.mark(item.room, "scattered")
                         self.messenger.send(
                             (item.ip, item.port),
                             PieceDone(item.room, self.agent_name, item.slot, item.seq),

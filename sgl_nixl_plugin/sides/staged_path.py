@@ -184,6 +184,7 @@ class StagedPath:
                 rec.note_post()
                 self._feed(rec, Posted(job.send.posted - posted))
             for piece, slot in landed:
+                rec.note_done()
                 settled += 1
                 self._piece_ready(rec, job, piece, slot)
             if job.send.settled > ended:

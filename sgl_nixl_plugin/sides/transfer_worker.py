@@ -340,6 +340,8 @@ class TransferWorker:
             settled += 1
             if isinstance(x, KernelXfer):
                 self.kernels -= 1
+            if state == "DONE":
+                rec.note_done()
             if state == "DONE" and (t := ctx.engine.agent.telemetry(x)):
                 metrics.telemetry(t)
                 rec.nixl_post_us += t["post_us"]

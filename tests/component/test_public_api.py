@@ -21,6 +21,7 @@ PUBLIC = {
     "AgentConfig",
     "BackendSpec",
     "TransferEvent",
+    "ReceiveEvent",
     "ENTRY_POINT_GROUP",
 }
 HEAVY = ("torch", "nixl", "sglang", "pluggy", "zmq")

@@ -14,7 +14,7 @@ and contiguous and random pages (all four combinations).
 from __future__ import annotations
 
 import pytest
-from helpers.pd import assert_clean, run_pd, workload
+from helpers.pd import assert_clean, run_pd, timeline_problems, workload
 
 # (prefill_tp, decode_tp, shape, page_size)
 MATRIX = [
@@ -52,6 +52,8 @@ def test_pd_matrix(prefill_tp: int, decode_tp: int, shape: str, page_size: int) 
     w = workload(shape, page_size, requests=14)
     res = run_pd(w, prefill_tp=prefill_tp, decode_tp=decode_tp)
     assert_clean(res)
+    # both sides' events reach the bench with their stamps, ordered on the one clock
+    assert not timeline_problems(res), timeline_problems(res)[:10]
     # each decode rank registered with its prefill ranks before its first request, and
     # every (decode rank, prefill rank) pair took one warm-up WRITE at registration
     warmed = [r["tables"].get("count.warmed_prefills") for r in res.decode.values()]
@@ -161,6 +163,8 @@ def test_pd_contended_staging_with_tp_mismatch_sends_nothing_direct(
     assert_clean(res)
     fell_back = {k: r["tables"]["count.staging.fell_back"] for k, r in res.prefill.items()}
     assert set(fell_back.values()) == {0}, fell_back
+    # every room staged: the decode's events carry its pieces' stamps, in order
+    assert not timeline_problems(res, staged=True), timeline_problems(res, staged=True)[:10]
     for key, r in res.decode.items():
         t = r["tables"]
         assert t["count.staging.asks"] > 0 and t["count.staging.freed_early"] > 0, (key, t)

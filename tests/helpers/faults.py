@@ -750,7 +750,7 @@ class _DecodeRank(_Rank):
     ) -> None:
         super().__init__(conn, spec, opts, deadline)
         self.env = setup(spec)
-        self.driver = DecodeDriver(spec, self.env, requests=[])
+        self.driver = DecodeDriver(spec, self.env, requests=[], reports=False)
         self.KVPoll = self.driver.KVPoll
         self.pools, self.mgr = self.driver.pools, self.driver.mgr
         self.active: dict[int, _DRoom] = {}

@@ -210,6 +210,56 @@ def _decode_room_problems(res: SessionResult) -> list[str]:
     return problems
 
 
+def timeline_problems(res: SessionResult, staged: bool = False) -> list[str]:
+    """Each room's stamps, from both sides' events, on the one clock of the machine: the
+    decode's ``ReceiveEvent`` came with its absolute stamps, in order, and the prefill's
+    first WRITE went out before the decode received the status, which it did before its
+    bench loop saw Success (prefill ``TransferEvent.timeline`` and decode ``ReceiveEvent``
+    stamps, as the bench drivers report them). ``staged``: every room came in staged
+    pieces, whose stamps the decode's event must carry too."""
+    problems: list[str] = []
+    first_post: dict[int, float] = {}
+    for key, rank in res.prefill.items():
+        for room, r in rank.get("results", {}).items():
+            t = r.get("timeline", {})
+            if r["ok"] and not {"started_at", "ended_at"} <= set(t):
+                problems.append(f"prefill {key} room {room}: no absolute stamps in {t}")
+            if "first_post_at" in t:  # a rank with nothing to send (MLA's extra) has none
+                first_post[room] = min(first_post.get(room, t["first_post_at"]), t["first_post_at"])
+    for key, rank in res.decode.items():
+        for room, r in rank.get("results", {}).items():
+            if not r["ok"]:
+                continue
+            t, seen = r.get("timeline", {}), r["stamps"]["end_seen_at"]
+            need = ("requested_at", "status_at", "applied_at", "ended_at")
+            if staged:
+                need += ("first_piece_at", "last_piece_at", "scattered_at")
+            if not set(need) <= set(t):
+                problems.append(f"decode {key} room {room}: ReceiveEvent stamps {sorted(t)}")
+                continue
+            order = [
+                first_post.get(room, 0.0),
+                t["status_at"],
+                t["applied_at"],
+                seen,
+                t["ended_at"],
+            ]
+            if room not in first_post or order != sorted(order):
+                problems.append(
+                    f"room {room}: prefill first WRITE, decode status received, applied, "
+                    f"Success seen, cleared out of order: {order}"
+                )
+            if "first_piece_at" in t and not (
+                t["requested_at"]
+                <= t["first_piece_at"]
+                <= t["last_piece_at"]
+                <= t["scattered_at"]
+                <= t["applied_at"]
+            ):
+                problems.append(f"decode {key} room {room}: piece stamps out of order: {t}")
+    return problems
+
+
 def describe(res: SessionResult) -> str:
     """One line about the session for failure messages and logs."""
     c = res.config

@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 from helpers import thirdparty
 
-from sgl_nixl_plugin.registry import AgentConfig, BackendSpec, TransferEvent, hookimpl, manager
+from sgl_nixl_plugin.registry import (
+    AgentConfig,
+    BackendSpec,
+    ReceiveEvent,
+    TransferEvent,
+    hookimpl,
+    manager,
+)
 from sgl_nixl_plugin.registry.builtin import NIXL_BACKEND
 from sgl_nixl_plugin.registry.hookspecs import PROJECT_NAME
 
@@ -255,3 +262,23 @@ def test_observer_exceptions_never_propagate(caplog: pytest.LogCaptureFixture) -
 
 def test_notify_without_observers_is_a_no_op() -> None:
     manager.notify_transfer(EVENT)
+
+
+def test_decode_observers_get_the_receive_event_alone() -> None:
+    """``sgl_nixl_receive_done`` is its own hook: a prefill observer never sees decode rooms."""
+    got: list[object] = []
+
+    class Both:
+        @hookimpl
+        def sgl_nixl_transfer_done(self, event: TransferEvent) -> None:
+            got.append(("transfer", event))
+
+        @hookimpl
+        def sgl_nixl_receive_done(self, event: ReceiveEvent) -> None:
+            got.append(("receive", event))
+
+    manager.get_plugin_manager().register(Both(), name="both")
+    received = ReceiveEvent(room=7, ok=True, staged=False, senders=1, timeline={"ended_at": 1.0})
+    manager.notify_receive(received)
+    manager.notify_transfer(EVENT)
+    assert got == [("receive", received), ("transfer", EVENT)]
