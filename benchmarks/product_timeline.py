@@ -2,36 +2,47 @@
 
 ``sgl-nixl-plugin bench`` reports a request's latency from the moment both sides are ready
 (the prefill's sender saw WaitingForInput) to the moment the decode's poll loop sees
-Success. ``benchmarks/bench_staging.py`` (row "ours", the engine path) times the same
-staged pipeline from the first gather to the receiver's last "scattered" reply. This
-script runs the product's session (``sgl_nixl_plugin.bench.session``, SGLang's real
-classes, our plugin) with probes that record absolute ``time.perf_counter`` stamps
-(CLOCK_MONOTONIC: one clock for every process of the machine) at each step of each room,
-on both sides, and prints per step the median over the steady rooms (the first room of
-the fresh pair is left out), so the two figures can be put side by side step by step:
+Success. ``benchmarks/bench_staging.py`` (row "ours") times the staged pipeline alone.
+This script runs the bench's own session (``sgl_nixl_plugin.bench.session``: SGLang's real
+classes, our plugin, the bench's prefill and decode drivers, nothing wrapped or patched)
+and reads what the product reports for each room: the prefill's ``TransferEvent.timeline``
+and the decode's ``ReceiveEvent.timeline`` (``sgl_nixl_receive_done``), whose ``*_at``
+stamps are ``time.perf_counter`` seconds (CLOCK_MONOTONIC: one clock for every process of
+the machine), beside the bench loops' own stamps (WaitingForInput seen, ``send()`` and
+``send_metadata`` returned, Success seen). It prints per step the median over the steady
+rooms (the first room of the fresh pair is left out), in ms after T0:
 
-    prefill bench sees WaitingForInput (the product's clock starts)
-      -> SGLang sender init()+send() return -> the transfer worker claims the chunk
-      -> first gather (source index upload) -> first WRITE posted -> last WRITE done
-    decode: PieceReady received -> scatter launched -> scattered (PieceDone)
-      -> TransferStatus received -> applied behind the scatters
-      -> the bench's decode poll loop sees Success (the product's clock stops)
+    decode: request sent -> prefill: room opened, ready
+    T0 prefill bench sees WaitingForInput -> init()+send() returned
+      -> the transfer worker claims the first chunk -> first WRITE posted
+      -> (staged) the decode's scatter thread gets the first / last piece -> last scattered
+      -> the prefill room ends (its status went out) -> the decode receives the status
+      -> applies it (behind the scatters) -> T1 the decode bench sees Success
 
-The probes only wrap methods (no product file changes) and keep their stamps in memory;
-each rank process writes them to ``--out`` when it ends. ``--poll-wait-us`` sets the longest
-wait of the bench's poll loops between polls (500 us; 0 spins), ``--no-bell`` makes them
-sleep that long without waking on a status change (the loops before the bell), to measure
-what the loop itself costs. ``--switch-interval-us`` sets the rank processes' GIL switch
-interval (Python's default is 5 ms), to see what the threads' wait for the GIL costs.
-A rank still running after ``--stack-dump-s`` seconds prints every thread's stack to its
-stderr (a stalled run says where it waits).
+On the one-pass path (CUDA IPC; GPU only) there are no pieces: "first WRITE posted" is the
+copy's launch returning, "first transfer seen done" the first copy or WRITE seen done, and
+the decode's "status received" its completion flag seen. Rows no room reached are not
+printed.
 
-On the one-pass path (CUDA IPC) there are no pieces: the prefill rows are the worker's
-launch (``_one_pass`` entered and returned) and the first poll that saw the copy's event
-complete.
+Rows the earlier, method-wrapping version printed and this one cannot: the staged job's
+inner steps (index upload, gather launched / seen done, each WRITE done), the one-pass
+launch's inner steps (units and bases prepared, ``pair_copy``, the fast launch taken, the
+aux and state posts, the flag queued), the decode's first scatter launched and done, the
+prefill's first PieceDone, the status message's encoding and hand-off to ZMQ, and the
+decode listener taking its frames. The product stamps each room's steps, not each piece's
+or call's: those live inside the engine (``bench_staging.py`` keeps the staged job's own
+trace) and would cost the hot path a record per piece.
 
-    python3 benchmarks/product_timeline.py --mem VRAM --page-size 16 --requests 24 \
+``--poll-wait-us`` sets the longest wait of the bench's poll loops between polls (500 us;
+0 spins; ``SGLANG_NIXL_PLUGIN_BENCH_POLL_WAIT_US``), ``--no-bell`` makes them sleep that
+long without waking on a status change (the loops before the bell; ``BENCH_BELL=0``).
+``--switch-interval-us`` sets the plugin's ``SGLANG_NIXL_PLUGIN_SWITCH_INTERVAL_US`` (the
+rank processes' GIL switch interval; Python's default is 5 ms). A rank still running
+after ``--stack-dump-s`` seconds prints every thread's stack to its stderr.
+
+    python3 benchmarks/product_timeline.py --mem VRAM --page-size 16 --requests 24 \\
         --min-tokens 4096 --max-tokens 8192 --concurrency 1 --no-verify --label p16_c1
+    python3 benchmarks/product_timeline.py --mem DRAM --requests 8 --label dram   # CPU
 
 Every other argument is ``sgl-nixl-plugin bench``'s.
 """
@@ -42,7 +53,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -52,441 +62,74 @@ if str(_REPO) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-EV: list[tuple[str, int, Any, float]] = []  # (kind, room, detail, perf_counter)
-_now = time.perf_counter
-TRACES: dict[int, list[Any]] = {}  # room -> its staged jobs' trace lists
-POLL_NAMES: dict[int, str] = {}  # SGLang's KVPoll is a class of int constants, not an enum
-
-
-def _name(s: Any) -> str:
-    return POLL_NAMES.get(s, str(s)) if isinstance(s, int) else getattr(s, "name", str(s))
-
-
-def _ev(kind: str, room: Any, detail: Any = None, t: float | None = None) -> None:
-    EV.append((kind, int(room) if room is not None else -1, detail, _now() if t is None else t))
-
-
-# ----------------------------------------------------------------------- probes (children)
-def _wrap_sender(base: type) -> type:
-    class ProbedSender(base):  # type: ignore[misc, valid-type]
-        def __init__(self, *a: Any, **kw: Any) -> None:
-            self._pr_room = kw.get("bootstrap_room", -1)
-            self._pr_last = None
-            super().__init__(*a, **kw)
-            _ev("p_sender_made", self._pr_room)
-
-        def poll(self) -> Any:
-            s = super().poll()
-            if s != self._pr_last:
-                self._pr_last = s
-                _ev("p_poll", self._pr_room, _name(s))
-            return s
-
-        def init(self, *a: Any, **kw: Any) -> Any:
-            _ev("p_init0", self._pr_room)
-            out = super().init(*a, **kw)
-            _ev("p_init1", self._pr_room)
-            return out
-
-        def send(self, *a: Any, **kw: Any) -> Any:
-            _ev("p_send0", self._pr_room)
-            out = super().send(*a, **kw)
-            _ev("p_send1", self._pr_room)
-            return out
-
-    ProbedSender.__name__ = base.__name__
-    return ProbedSender
-
-
-def _wrap_receiver(base: type) -> type:
-    class ProbedReceiver(base):  # type: ignore[misc, valid-type]
-        def __init__(self, *a: Any, **kw: Any) -> None:
-            self._pr_room = kw.get("bootstrap_room", -1)
-            self._pr_last = None
-            super().__init__(*a, **kw)
-
-        def poll(self) -> Any:
-            s = super().poll()
-            if s != self._pr_last:
-                self._pr_last = s
-                _ev("d_poll", self._pr_room, _name(s))
-            return s
-
-        def send_metadata(self, *a: Any, **kw: Any) -> Any:
-            _ev("d_meta0", self._pr_room)
-            out = super().send_metadata(*a, **kw)
-            _ev("d_meta1", self._pr_room)
-            return out
-
-    ProbedReceiver.__name__ = base.__name__
-    return ProbedReceiver
-
-
-def _patch(cls: type, name: str, before: Any = None, after: Any = None) -> None:
-    real = getattr(cls, name)
-
-    def wrapped(self: Any, *a: Any, **kw: Any) -> Any:
-        if before is not None:
-            try:
-                before(self, *a, **kw)
-            except Exception:
-                pass
-        out = real(self, *a, **kw)
-        if after is not None:
-            try:
-                after(self, out, *a, **kw)
-            except Exception:
-                pass
-        return out
-
-    setattr(cls, name, wrapped)
-
-
-def _install(role: str, poll_wait_us: float, bell: bool) -> None:
-    import sgl_nixl_plugin.bench.driver as R
-    from sgl_nixl_plugin.adapter import harness
-
-    wait_s = poll_wait_us * 1e-6
-    R.StatusBell.WAIT_S = wait_s  # the longest wait between two polls
-    if not bell:  # the loops as they were before the bell: a plain sleep between polls
-
-        class Sleeper:
-            def __init__(self, mgr: Any) -> None:
-                pass
-
-            def wait(self, timeout_s: float | None = None) -> None:
-                time.sleep(wait_s if timeout_s is None else timeout_s)
-
-        R.StatusBell = Sleeper  # type: ignore[misc, assignment]
-
-    real_boot = harness.boot
-
-    def boot(**kw: Any) -> Any:
-        sa, classes = real_boot(**kw)
-        classes = dict(classes)
-        classes["sender"] = _wrap_sender(classes["sender"])
-        classes["receiver"] = _wrap_receiver(classes["receiver"])
-        return sa, classes
-
-    harness.boot = boot
-    kv_poll = harness.kv_poll()
-    POLL_NAMES.update(
-        {
-            int(v): k
-            for k, v in vars(kv_poll).items()
-            if not k.startswith("_") and isinstance(v, int)
-        }
-    )
-    if role == "prefill":
-        from sgl_nixl_plugin.engine.staging import StagedSend
-        from sgl_nixl_plugin.sides.context import PrefillContext
-        from sgl_nixl_plugin.sides.prefill_control import PrefillControl
-
-        real_init = StagedSend.__init__
-
-        def init(self: Any, *a: Any, **kw: Any) -> None:
-            real_init(self, *a, **kw)
-            if self.trace is None:
-                self.trace = []
-
-        StagedSend.__init__ = init  # type: ignore[method-assign]
-        from sgl_nixl_plugin.sides.transfer_worker import TransferWorker
-
-        def keep_traces(self: Any, rec: Any, *a: Any, **kw: Any) -> None:
-            # the worker drops a room's finished jobs before the room ends: keep their traces
-            kept = TRACES.setdefault(rec.room, [])
-            for job in rec.jobs:
-                tr = job.send.trace
-                if tr is not None and not any(tr is k for k in kept):
-                    kept.append(tr)
-
-        _patch(TransferWorker, "_step_jobs", before=keep_traces)
-
-        from sgl_nixl_plugin.engine.one_pass import KernelXfer
-
-        kernel_rooms: dict[int, int] = {}  # id(KernelXfer) -> room
-
-        entered: dict[int, float] = {}  # room -> when the worker entered ``_one_pass``
-
-        def one_pass_in(self: Any, rec: Any, *a: Any, **kw: Any) -> None:
-            entered[rec.room] = _now()
-            current["room"] = rec.room
-
-        def one_pass_out(self: Any, out: Any, rec: Any, *a: Any, **kw: Any) -> None:
-            t0 = entered.pop(rec.room, None)
-            if out is not None:  # it launched (None: the chunk takes another path)
-                kernel_rooms[id(out)] = rec.room
-                _ev("p_op_launch0", rec.room, t=t0)
-                _ev("p_op_launch1", rec.room)
-
-        _patch(TransferWorker, "_one_pass", before=one_pass_in, after=one_pass_out)
-
-        def tail_in(self: Any, rec: Any, *a: Any, **kw: Any) -> None:
-            _ev("p_tail0", rec.room)
-
-        def tail_out(self: Any, out: Any, rec: Any, *a: Any, **kw: Any) -> None:
-            _ev("p_tail1", rec.room)
-
-        _patch(TransferWorker, "_post_tail", before=tail_in, after=tail_out)  # aux, state
-
-        def kernel_polled(self: Any, out: Any, *a: Any, **kw: Any) -> None:
-            room = kernel_rooms.get(id(self))
-            if room is not None and out != "PROC":
-                del kernel_rooms[id(self)]
-                _ev("p_op_done", room, out)
-
-        _patch(KernelXfer, "poll", after=kernel_polled)
-
-        # completion flags: when the worker queued them (the aux rows and state landed)
-        flags_before: dict[int, int] = {}
-
-        def flags_in(self: Any, rec: Any, *a: Any, **kw: Any) -> None:
-            flags_before[rec.room] = len(rec.flags_due)
-
-        def flags_out(self: Any, out: Any, rec: Any, *a: Any, **kw: Any) -> None:
-            if flags_before.pop(rec.room, 0) and not rec.flags_due:
-                _ev("p_flag_queued", rec.room)
-
-        _patch(TransferWorker, "_store_flags", before=flags_in, after=flags_out)
-
-        # the launch's host steps, stamped with the room the worker is launching for
-        current: dict[str, int] = {"room": -1}
-        import sgl_nixl_plugin.engine.one_pass as one_pass_mod
-        from sgl_nixl_plugin.engine.copy_triton import TritonCopier
-
-        def stamp(step: str) -> Any:
-            return lambda *a, **kw: _ev("p_op_step", current["room"], step)
-
-        for name in ("prepare_units", "prepare_bases", "pair_copy", "release_units"):
-            _patch(TritonCopier, name, before=stamp(f"{name}0"), after=stamp(f"{name}1"))
-        from sgl_nixl_plugin.engine.copy_triton_fast_launch import _FastLaunch
-
-        def fast_taken(self: Any, out: Any, kind: str, *a: Any, **kw: Any) -> None:
-            if kind == "pair":  # rows "fast pair launch: taken" / "not taken" count the rooms
-                _ev("p_op_step", current["room"], f"fast_{bool(out)}")
-
-        _patch(_FastLaunch, "launch", after=fast_taken)
-        real_units = one_pass_mod.unit_indices_of
-
-        def unit_indices_of(*a: Any, **kw: Any) -> Any:
-            stamp("unit_indices0")()
-            out = real_units(*a, **kw)
-            stamp("unit_indices1")()
-            return out
-
-        one_pass_mod.unit_indices_of = unit_indices_of
-        from sgl_nixl_plugin.adapter.manager import NixlPluginKVManager
-
-        _patch(
-            NixlPluginKVManager,
-            "_encode_kv_status_message",
-            before=lambda self, *a, **kw: _ev("p_status_enc", kw.get("bootstrap_room", -1)),
-        )
-
-        def status_sent(self: Any, out: Any, *a: Any, **kw: Any) -> None:
-            _ev("p_status_sent", kw.get("bootstrap_room", -1))
-
-        _patch(NixlPluginKVManager, "send_kv_status_message", after=status_sent)
-
-        def on_msg(self: Any, msg: Any, *a: Any, **kw: Any) -> None:
-            _ev("p_rx", getattr(msg, "room", -1), type(msg).__name__)
-
-        _patch(PrefillControl, "_dispatch", before=on_msg)
-
-        def on_observe(self: Any, rec: Any, ok: bool, *a: Any, **kw: Any) -> None:
-            t = _now()
-            marks = {
-                "started": rec.started,
-                "ready_at": rec.ready_at,
-                "claimed_at": rec.claimed_at,
-                "first_post_at": rec.first_post_at,
-                "ended": t,
-            }
-            trace = []
-            for tr in TRACES.pop(rec.room, []):
-                trace += [(i, step, ts) for i, step, ts in tr]
-            _ev("p_room", rec.room, {"ok": ok, "bytes": rec.nbytes, "marks": marks,
-                                     "trace": trace, "path": rec.path}, t)  # fmt: skip
-
-        _patch(PrefillContext, "observe", before=on_observe)
-    elif role == "decode":
-        from sgl_nixl_plugin.engine.scatter_queue import ScatterQueue
-        from sgl_nixl_plugin.sides.decode_listener import DecodeListener
-        from sgl_nixl_plugin.sides.decode_side import DecodeSide
-        from sgl_nixl_plugin.sides.decode_staging import DecodeStaging
-
-        frames_at = {"t": 0.0}  # when the listener took the frames being handled
-
-        def on_msg(self: Any, msg: Any, *a: Any, **kw: Any) -> None:
-            room, kind = getattr(msg, "room", -1), type(msg).__name__
-            _ev("d_frames", room, kind, frames_at["t"])
-            _ev("d_rx", room, kind)
-
-        _patch(DecodeListener, "_dispatch", before=on_msg)
-        _patch(DecodeListener, "on_frames", before=lambda *a, **kw: frames_at.update(t=_now()))
-        _patch(
-            DecodeStaging,
-            "_launch",
-            before=lambda self, m, *a, **kw: _ev("d_launch0", m.room, m.seq),
-            after=lambda self, out, m, *a, **kw: _ev("d_launch1", m.room, m.seq),
-        )
-
-        def on_out(self: Any, out: Any, *a: Any, **kw: Any) -> None:
-            t = _now()
-            for tok in out:
-                _ev("d_out", getattr(tok, "room", -1), type(tok).__name__, t)
-
-        _patch(ScatterQueue, "wait", after=on_out)
-
-        def on_close(self: Any, room: int, ok: bool, *a: Any, **kw: Any) -> None:
-            rec = self.ctx.rooms.get(room)
-            if rec is not None:
-                _ev("d_room", room, {"ok": ok, "times": dict(rec.times)})
-
-        _patch(DecodeSide, "close_room", before=on_close)
-        due_before: dict[int, int] = {}
-
-        def check_in(self: Any, room: int, *a: Any, **kw: Any) -> None:
-            rec = self.ctx.rooms.get(room)
-            due_before[room] = len(rec.flags_due) if rec is not None else 0
-
-        def check_out(self: Any, out: Any, room: int, *a: Any, **kw: Any) -> None:
-            rec = self.ctx.rooms.get(room)
-            if rec is not None and len(rec.flags_due) < due_before.pop(room, 0):
-                _ev("d_flag_seen", room)
-
-        _patch(DecodeSide, "check_flags", before=check_in, after=check_out)
-
-
-def _probed_rank(spec: Any, out: Any, done: Any, release: Any, opts: dict[str, Any]) -> None:
-    """A rank process (as ``session._rank_process``) with the probes installed."""
-    import faulthandler
-
-    from sgl_nixl_plugin.bench.rank import rank_main
-
-    faulthandler.dump_traceback_later(opts["stack_dump_s"], exit=False)
-    if opts["switch_us"]:  # how long a thread waits for the GIL before asking for it
-        sys.setswitchinterval(opts["switch_us"] * 1e-6)
-    try:
-        _install(spec.role, opts["poll_wait_us"], opts["bell"])
-    except Exception as exc:  # a probe must never stop the run
-        print(f"[product_timeline] probes not installed: {exc!r}", file=sys.stderr)
-    try:
-        rank_main(spec, out, done, release)
-    finally:
-        path = Path(opts["out"]) / f"{spec.role}{spec.instance}.{spec.tp_rank}.{os.getpid()}.json"
-        try:
-            path.write_text(json.dumps({"role": spec.role, "events": list(EV)}, default=float))
-        except Exception as exc:
-            print(f"[product_timeline] could not write {path}: {exc!r}", file=sys.stderr)
-    out.close()
-    out.join_thread()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-# ----------------------------------------------------------------------- analysis (parent)
-STEPS = [  # (label, side, how to find it): medians over steady rooms, ms after T0
-    ("decode request sent (send_metadata returned)", "d_meta1"),
-    ("prefill control: TransferRequest received", "p_rx:TransferRequest"),
-    ("prefill room ready (destinations filed)", "m:ready_at"),
-    ("T0 prefill bench sees WaitingForInput", "p_poll:WaitingForInput"),
-    ("prefill bench: init()+send() returned", "p_send1"),
-    ("worker claimed the chunk", "m:claimed_at"),
-    ("one pass: worker enters the launch", "p_op_launch0"),
-    ("one pass: source units computed", "p_op_step:first:unit_indices1"),
-    ("one pass: destination units computed", "p_op_step:last:unit_indices1"),
-    ("one pass: units prepared (both)", "p_op_step:last:prepare_units1"),
-    ("one pass: bases prepared (both)", "p_op_step:last:prepare_bases1"),
-    ("one pass: pair_copy entered", "p_op_step:first:pair_copy0"),
-    ("one pass: pair_copy returned", "p_op_step:first:pair_copy1"),
-    ("one pass: fast pair launch taken (n = rooms)", "p_op_step:first:fast_True"),
-    ("one pass: fast pair launch not taken (n = rooms)", "p_op_step:first:fast_False"),
-    ("one pass: units released", "p_op_step:last:release_units1"),
-    ("one pass: launch returned", "p_op_launch1"),
-    ("aux and state WRITEs: posting begins", "p_tail0"),
-    ("aux and state WRITEs: posted", "p_tail1"),
-    ("one pass: completion flag queued (aux, state landed)", "p_flag_queued"),
-    ("one pass: copy seen done (event)", "p_op_done:DONE"),
-    ("decode: completion flag seen", "d_flag_seen"),
-    ("first gather: index upload begins", "tr:first gather"),
-    ("indices ready (uploaded)", "tr:indices ready"),
-    ("first gather launched", "tr:first:gather launched"),
-    ("first gather done (event seen)", "tr:first:gather done"),
-    ("first WRITE posted", "tr:first:write posted"),
-    ("first WRITE done", "tr:first:write done"),
-    ("decode: first PieceReady received", "d_rx:first:PieceReady"),
-    ("decode: first scatter launched", "d_launch1:first"),
-    ("decode: first piece scattered", "d_out:first:PieceReady"),
-    ("prefill: first PieceDone received", "p_rx:first:PieceDone"),
-    ("last gather launched", "tr:last:gather launched"),
-    ("last WRITE posted", "tr:last:write posted"),
-    ("last WRITE done", "tr:last:write done"),
-    ("decode: last PieceReady received", "d_rx:last:PieceReady"),
-    ("decode: last piece scattered", "d_out:last:PieceReady"),
-    ("prefill room observed (its status went out before)", "m:ended"),
-    ("prefill: status encoded (sent next)", "p_status_enc"),
-    ("prefill: status handed to ZMQ", "p_status_sent"),
-    ("decode: listener took the status frames", "d_frames:TransferStatus"),
-    ("decode: TransferStatus received", "d_rx:TransferStatus"),
-    ("decode: status applied (behind scatters)", "d_out:TransferStatus"),
-    ("T1 decode bench sees Success", "d_poll:Success"),
-    ("prefill bench sees Success", "p_poll:Success"),
+T0 = "p:waiting_seen_at"  # the prefill bench sees WaitingForInput: the bench's clock starts
+T1 = "d:end_seen_at"  # the decode bench sees Success: it stops
+
+STEPS = [  # (label, stamp): medians over steady rooms, ms after T0
+    ("decode: transfer requests going out", "d:requested_at"),
+    ("decode request sent (send_metadata returned)", "d:request_sent_at"),
+    ("prefill room opened (first destination filed)", "p:started_at"),
+    ("prefill room ready (destinations filed)", "p:ready_at"),
+    ("T0 prefill bench sees WaitingForInput", T0),
+    ("prefill bench: init()+send() returned", "p:sent_at"),
+    ("worker claimed the chunk", "p:claimed_at"),
+    ("worker got the last chunk", "p:last_chunk_at"),
+    ("first WRITE posted (one pass: copy launched)", "p:first_post_at"),
+    ("decode: first piece at the scatter thread", "d:first_piece_at"),
+    ("first transfer seen done (WRITE, piece, copy)", "p:first_done_at"),
+    ("last WRITE posted (aux, state; one pass: flag)", "p:last_post_at"),
+    ("decode: last piece at the scatter thread", "d:last_piece_at"),
+    ("decode: last piece scattered", "d:scattered_at"),
+    ("prefill room ended (its status went out before)", "p:ended_at"),
+    ("decode: status received (one pass: flag seen)", "d:status_at"),
+    ("decode: status applied (behind scatters)", "d:applied_at"),
+    ("T1 decode bench sees Success", T1),
+    ("decode: receiver cleared", "d:ended_at"),
+    ("prefill bench sees Success", "p:end_seen_at"),
 ]
 
 
-def _rooms(events: list[tuple[str, int, Any, float]]) -> dict[int, dict[str, Any]]:
+def _latest(key: str) -> bool:
+    """Across the ranks of a room, the latest stamp counts for these (the earliest else)."""
+    return "last" in key or "ended" in key or "end_seen" in key or key.startswith("d:status")
+
+
+def room_stamps(result: Any) -> dict[int, dict[str, Any]]:
+    """Per room, every stamp both sides reported (``p:`` prefill, ``d:`` decode, merged over
+    the ranks of a side), its bytes and path."""
     rooms: dict[int, dict[str, Any]] = {}
-    for kind, room, detail, t in sorted(events, key=lambda e: e[3]):
-        r = rooms.setdefault(room, {"multi": {}})
-        if kind == "p_room":
-            r["bytes"] = detail["bytes"]
-            r["path"] = detail["path"]
-            for k, v in detail["marks"].items():
-                if v:
-                    r[f"m:{k}"] = v
-            by_step: dict[str, list[float]] = {}
-            for _, step, ts in detail["trace"]:
-                by_step.setdefault(step, []).append(ts)
-            for step, ts in by_step.items():
-                r[f"tr:{step}"] = min(ts)
-                r[f"tr:first:{step}"] = min(ts)
-                r[f"tr:last:{step}"] = max(ts)
-                r["pieces"] = max(r.get("pieces", 0), len(ts))
-            continue
-        if kind == "d_room":
-            continue
-        key = f"{kind}:{detail}" if isinstance(detail, str) else kind
-        r.setdefault(key, t)  # the first occurrence
-        r["multi"].setdefault(key, []).append(t)
-    for r in rooms.values():
-        for key, ts in r.pop("multi").items():
-            kind, _, what = key.partition(":")  # "d_rx:PieceReady" -> "d_rx:first:PieceReady"
-            for tag, t in (("first", ts[0]), ("last", ts[-1])):
-                r[f"{kind}:{tag}:{what}" if what else f"{kind}:{tag}"] = t
+    for side, ranks in (("p", result.prefill), ("d", result.decode)):
+        for rank in ranks.values():
+            for room, r in rank.get("results", {}).items():
+                out = rooms.setdefault(room, {"ok": True})
+                out["ok"] = out["ok"] and bool(r.get("ok"))
+                if side == "d":
+                    out["bytes"] = out.get("bytes", 0) + r.get("bytes", 0)
+                else:
+                    out["path"] = out.get("path") or r.get("path")
+                    out["pieces"] = out.get("pieces", 0) + int(
+                        r.get("timeline", {}).get("pieces", 0)
+                    )
+                stamps = {**r.get("timeline", {}), **r.get("stamps", {})}
+                for k, v in stamps.items():
+                    if not k.endswith("_at") or not v:
+                        continue
+                    key = f"{side}:{k}"
+                    old = out.get(key)
+                    out[key] = v if old is None else (max if _latest(key) else min)(old, v)
     return rooms
 
 
-def analyse(out_dir: Path, label: str) -> dict[str, Any]:
-    events: list[tuple[str, int, Any, float]] = []
-    for f in sorted(out_dir.glob("*.json")):
-        events += [tuple(e) for e in json.loads(f.read_text())["events"]]  # type: ignore[misc]
-    rooms = {k: v for k, v in _rooms(events).items() if k != -1 and "d_poll:Success" in v}
-    order = sorted(rooms, key=lambda k: rooms[k].get("d_meta1", 0.0))
+def analyse(result: Any, label: str) -> dict[str, Any]:
+    rooms = {k: v for k, v in room_stamps(result).items() if v["ok"] and T1 in v and T0 in v}
+    order = sorted(rooms, key=lambda k: rooms[k].get("d:request_sent_at", 0.0))
     steady = order[1:]
     rows = []
     for name, key in STEPS:
-        vals = []
-        for k in steady:
-            r = rooms[k]
-            t0 = r.get("p_poll:WaitingForInput")
-            if t0 is not None and key in r:
-                vals.append((r[key] - t0) * 1e3)
+        vals = [(rooms[k][key] - rooms[k][T0]) * 1e3 for k in steady if key in rooms[k]]
         first = float("nan")  # the fresh pair's first room, for the cold-start figure
-        if order and key in rooms[order[0]] and "p_poll:WaitingForInput" in rooms[order[0]]:
-            r = rooms[order[0]]
-            first = (r[key] - r["p_poll:WaitingForInput"]) * 1e3
+        if order and key in rooms[order[0]]:
+            first = (rooms[order[0]][key] - rooms[order[0]][T0]) * 1e3
         if vals:
             a = np.asarray(vals)
             rows.append((name, float(np.median(a)), float(np.percentile(a, 10)),
@@ -494,24 +137,22 @@ def analyse(out_dir: Path, label: str) -> dict[str, Any]:
     per_room = []
     for k in order:
         r = rooms[k]
-        t0 = max(r.get("p_poll:WaitingForInput", 0.0), r.get("d_meta1", 0.0))
-        nbytes = r.get("bytes", 0)
-        rec = {"room": k, "bytes": nbytes, "pieces": r.get("pieces", 0), "path": r.get("path")}
-        if "d_poll:Success" in r and t0:
-            rec["product_ms"] = (r["d_poll:Success"] - t0) * 1e3
-        if "tr:first gather" in r and "d_out:last:PieceReady" in r:
-            rec["engine_like_ms"] = (r["d_out:last:PieceReady"] - r["tr:first gather"]) * 1e3
-        if "tr:first gather" in r and "d_out:TransferStatus" in r:
-            rec["gather_to_applied_ms"] = (r["d_out:TransferStatus"] - r["tr:first gather"]) * 1e3
-        if "p_op_launch0" in r and "p_op_done:DONE" in r:  # one pass: launch to copy seen done
-            rec["engine_like_ms"] = (r["p_op_done:DONE"] - r["p_op_launch0"]) * 1e3
-        if "p_op_launch0" in r and "d_rx:TransferStatus" in r:  # to the status received
-            rec["gather_to_applied_ms"] = (r["d_rx:TransferStatus"] - r["p_op_launch0"]) * 1e3
-        launch = r.get("p_op_launch0", r.get("tr:first gather"))
-        if launch is not None and "d_poll:Success" in r:  # issue 19's clock
-            rec["launch_to_success_ms"] = (r["d_poll:Success"] - launch) * 1e3
-        if "p_poll:WaitingForInput" in r and "d_meta1" in r:
-            rec["prefill_late_ms"] = (r["p_poll:WaitingForInput"] - r["d_meta1"]) * 1e3
+        t0 = max(r[T0], r.get("d:request_sent_at", 0.0))
+        rec = {"room": k, "bytes": r.get("bytes", 0), "pieces": r.get("pieces", 0)}
+        rec.update(path=r.get("path"), product_ms=(r[T1] - t0) * 1e3)
+        claim = r.get("p:claimed_at")
+        # the engine's clock: from the worker's claim (its first gather or launch follows at
+        # once) to the last piece scattered, or (no pieces) the prefill room's last
+        # transfer settled
+        done = r.get("d:scattered_at", r.get("p:ended_at"))
+        if claim is not None and done is not None:
+            rec["engine_like_ms"] = (done - claim) * 1e3
+        if claim is not None and "d:applied_at" in r:
+            rec["claim_to_applied_ms"] = (r["d:applied_at"] - claim) * 1e3
+        if claim is not None:  # issue 19's clock
+            rec["claim_to_success_ms"] = (r[T1] - claim) * 1e3
+        if "d:request_sent_at" in r:
+            rec["prefill_late_ms"] = (r[T0] - r["d:request_sent_at"]) * 1e3
         per_room.append(rec)
 
     def med(key: str, rows_: list[dict[str, Any]]) -> float:
@@ -528,12 +169,12 @@ def analyse(out_dir: Path, label: str) -> dict[str, Any]:
         "rooms": len(per_room),
         "product_ms_p50": med("product_ms", st),
         "engine_like_ms_p50": med("engine_like_ms", st),
-        "gather_to_applied_ms_p50": med("gather_to_applied_ms", st),
+        "claim_to_applied_ms_p50": med("claim_to_applied_ms", st),
         "product_gbps_p50": gbps("product_ms", st),
         "engine_like_gbps_p50": gbps("engine_like_ms", st),
-        "gather_to_applied_gbps_p50": gbps("gather_to_applied_ms", st),
-        "launch_to_success_ms_p50": med("launch_to_success_ms", st),
-        "launch_to_success_gbps_p50": gbps("launch_to_success_ms", st),
+        "claim_to_applied_gbps_p50": gbps("claim_to_applied_ms", st),
+        "claim_to_success_ms_p50": med("claim_to_success_ms", st),
+        "claim_to_success_gbps_p50": gbps("claim_to_success_ms", st),
         "pieces_p50": med("pieces", st),
         "bytes_p50": med("bytes", st),
     }
@@ -543,19 +184,18 @@ def analyse(out_dir: Path, label: str) -> dict[str, Any]:
     for name, p50, p10, p90, n, first in rows:
         print(f"{name:50s} {p50:8.3f} {p10:8.3f} {p90:8.3f}  {n} {first:8.3f}")
     print(
-        "per room p50: product (T0->T1) {product_ms_p50:.2f} ms = {product_gbps_p50:.0f} GB/s; "
-        "first gather -> last piece scattered (the engine's clock) {engine_like_ms_p50:.2f} ms = "
-        "{engine_like_gbps_p50:.0f} GB/s; first gather -> status applied "
-        "{gather_to_applied_ms_p50:.2f} ms = {gather_to_applied_gbps_p50:.0f} GB/s; "
-        "worker's launch (or first gather) -> decode sees Success "
-        "{launch_to_success_ms_p50:.2f} ms = {launch_to_success_gbps_p50:.0f} GB/s; "
-        "{pieces_p50:.0f} pieces, {bytes_p50:.3g} bytes".format(**summary)
+        "per room p50: product (T0->T1) {product_ms_p50:.2f} ms = {product_gbps_p50:.1f} GB/s; "
+        "worker's claim -> last piece scattered (or the room's end: the engine's clock) "
+        "{engine_like_ms_p50:.2f} ms = {engine_like_gbps_p50:.1f} GB/s; claim -> status "
+        "applied {claim_to_applied_ms_p50:.2f} ms = {claim_to_applied_gbps_p50:.1f} GB/s; "
+        "claim -> decode sees Success {claim_to_success_ms_p50:.2f} ms = "
+        "{claim_to_success_gbps_p50:.1f} GB/s; {pieces_p50:.0f} pieces, {bytes_p50:.3g} "
+        "bytes".format(**summary)
     )
     print("SUMMARY " + json.dumps(summary))
     return {"summary": summary, "steps": rows, "rooms": per_room}
 
 
-# ----------------------------------------------------------------------- driver
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--label", default="run")
@@ -571,37 +211,23 @@ def main(argv: list[str] | None = None) -> int:
     from sgl_nixl_plugin.cli.bench import build_parser, workload_of
 
     args = build_parser().parse_args(rest)
-    workload = workload_of(args)
+    env = {
+        "SGLANG_NIXL_PLUGIN_BENCH_POLL_WAIT_US": f"{mine.poll_wait_us:g}",
+        "SGLANG_NIXL_PLUGIN_BENCH_BELL": "0" if mine.no_bell else "1",
+        "SGLANG_NIXL_PLUGIN_BENCH_STACK_DUMP_S": f"{mine.stack_dump_s:g}",
+    }
+    if mine.switch_interval_us > 0:
+        env["SGLANG_NIXL_PLUGIN_SWITCH_INTERVAL_US"] = f"{mine.switch_interval_us:g}"
     cfg = S.SessionConfig(
-        workload,
+        workload_of(args),
         mem_kind=args.mem,
         prefill_gpu=args.prefill_gpu,
         decode_gpu=args.decode_gpu,
         timeout_s=args.timeout,
         verify=not args.no_verify,
+        env=env,
     )
-    out_dir = Path(mine.out) / f"timeline_{mine.label}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for f in out_dir.glob("*.json"):
-        f.unlink()
-    opts = {
-        "out": str(out_dir),
-        "poll_wait_us": mine.poll_wait_us,
-        "bell": not mine.no_bell,
-        "switch_us": mine.switch_interval_us,
-        "stack_dump_s": mine.stack_dump_s,
-    }
-    sess = S.Session(cfg, start_method="spawn")  # _probed_rank lives in this script
-    for spec in sess.specs:  # Session.start, with the probed entry point
-        proc = sess.ctx.Process(
-            target=_probed_rank,
-            args=(spec, sess.out, sess.done, sess.release, opts),
-            daemon=True,
-            name=f"{spec.role}{spec.instance}.{spec.tp_rank}",
-        )
-        proc.start()
-        sess.procs[(spec.role, spec.instance, getattr(spec, "rank", spec.tp_rank))] = proc
-    result = sess.wait()
+    result = S.run_session(cfg)
     s = summarize(result)
     print(
         f"=== bench figures {mine.label} (poll wait {mine.poll_wait_us:g} us, bell {not mine.no_bell}): "
@@ -610,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{s['latency_p99_ms']:.2f} ms, first/steady {s['first_request_ms']:.2f}/"
         f"{s['steady_p50_ms']:.2f} ms, all-requests {s['gbps']:.1f} GB/s, errors {s['errors']}"
     )
-    time.sleep(0.5)
-    doc = analyse(out_dir, mine.label)
+    doc = analyse(result, mine.label)
     doc["bench"] = {k: v for k, v in s.items() if not isinstance(v, list | dict)}
+    Path(mine.out).mkdir(parents=True, exist_ok=True)
     (Path(mine.out) / f"timeline_{mine.label}.json").write_text(json.dumps(doc, indent=1))
     return 0 if s["ok"] == s["requests"] else 1
 

@@ -140,6 +140,14 @@ VARS: tuple[Var, ...] = (
     _v("BENCH_LOG", "str", "WARNING", "test",
        "log level of bench rank processes (set by `sgl-nixl-plugin bench --verbose`, "
        "read by bench/rank.py)"),
+    _v("BENCH_POLL_WAIT_US", "float", 500.0, "test",
+       "the bench rank loops' longest wait between two polls, in microseconds (0 spins)",
+       minimum=0.0),
+    _v("BENCH_BELL", "flag", True, "test",
+       "the bench rank loops wake on a status change (0: they sleep the poll wait through)"),
+    _v("BENCH_STACK_DUMP_S", "float", 0.0, "test",
+       "a bench rank still running after this many seconds prints every thread's stack "
+       "to its stderr (0: never)", minimum=0.0),
 )
 # fmt: on
 _BY_NAME = {v.name: v for v in VARS}

@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any
 
+from sgl_nixl_plugin import settings
 from sgl_nixl_plugin.adapter import harness
 from sgl_nixl_plugin.bench.pools import Pools
 from sgl_nixl_plugin.bench.spec import RankSpec
@@ -40,11 +41,15 @@ class StatusBell:
     the thread about to send it (measured ~0.15 ms later at the decode).
     """
 
-    WAIT_S = 0.0005
-
     def __init__(self, mgr: Any) -> None:
+        # the longest wait between two polls; without the bell (``BENCH_BELL=0``) the
+        # loops sleep it through, as they did before the bell
+        self.WAIT_S = settings.value("BENCH_POLL_WAIT_US") * 1e-6
+        self.rings = bool(settings.value("BENCH_BELL"))
         self._event = threading.Event()
         self._held = threading.local()  # inside conclude_transfer on this thread: ring after
+        if not self.rings:
+            return
         update = mgr.update_status
 
         def update_status(*args: Any, **kwargs: Any) -> Any:
@@ -75,7 +80,11 @@ class StatusBell:
         mgr.conclude_transfer = conclude_transfer
 
     def wait(self, timeout_s: float | None = None) -> None:
-        self._event.wait(self.WAIT_S if timeout_s is None else timeout_s)
+        wait_s = self.WAIT_S if timeout_s is None else timeout_s
+        if not self.rings:
+            time.sleep(wait_s)
+            return
+        self._event.wait(wait_s)
         self._event.clear()  # before the polls that follow: a later change rings again
 
 

@@ -8,6 +8,7 @@ Prefill fills each room's pages with a known pattern; decode checks every byte i
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import traceback
@@ -82,6 +83,8 @@ def rank_main(spec: RankSpec, out: Any, done: Any, release: Any = None) -> None:
             # SGLang warns at import that its CUDA-only quantization kernels are unavailable
             warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang\.")
         env = setup(spec)
+        if settings.value("BENCH_STACK_DUMP_S") > 0:  # a stalled run says where it waits
+            faulthandler.dump_traceback_later(settings.value("BENCH_STACK_DUMP_S"), exit=False)
         if spec.role == "prefill":
             result = run_prefill(spec, env, done)
         elif spec.role == "decode":
