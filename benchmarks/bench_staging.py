@@ -11,29 +11,45 @@ permutations). Per page size, every row moves the same requests' bytes in the sa
 3. per-page     -- ``TransferEngine.write``: one descriptor per page per region, what
                    SGLang's in-tree backend submits (prepared lists, NIXL merges runs);
 4. plain staging-- gather all -> one WRITE -> scatter all, sequential, no overlap;
-5. ours         -- pipelined ``StagedSend`` with the copier (Triton on VRAM), the receiver
-                   scattering each piece as it lands; every piece makes a control round
-                   trip over a ``multiprocessing.Pipe`` (like the adapter's PieceReady /
-                   PieceDone over ZMQ);
+5. ours         -- the product's staged path, as ``sgl-nixl-plugin bench`` runs it: a PD
+                   session of the bench's drivers (``sgl_nixl_plugin.bench.session``,
+                   SGLang's classes, our plugin, ``TRANSFER_PATH=staging``) over the same
+                   requests (token counts, shape), one at a time, pages at random;
+6. ours, B     -- row 5 again in a session of its own with other settings
+                   (``--b-map-units``, ``--b-env NAME=VALUE``), for an A/B in one run;
 7. one pass    -- the receiver exports its pool by CUDA IPC (``engine.cuda_ipc``); the
                    sender maps it and writes the request's pages into the receiver's pages
                    with ONE ``TritonCopier.pair_copy`` of all layers, then tells the receiver
                    over the Pipe. VRAM only, and only where the two processes may map each
                    other's memory (one GPU or peers; else skipped, with the reason).
 
-Rows 4, 5 and 7 are timed end to end on the sender: from the first gather (row 7: the
+Rows 4 and 7 are timed end to end on the sender: from the first gather (row 7: the
 index preparation) until the receiver's last "scattered" reply (row 7: its reply to "the
-copy's event has completed"). Rows 1-3 are timed on the sender until the copy or WRITE
-completes. The destination is checked byte-exact (first and last request by default) for
-rows 3-5 and 7, after the destination pages were cleared. By default the rows
-take turns per request (``--order interleaved``), so that a shared machine's drift hits
-them alike; each row has one untimed warm-up. Ratios are medians over the requests both
-rows ran. The agents run without NIXL's progress thread (our default): the receiver
-progresses its agent every ``--recv-progress-us`` while waiting, as the adapter's decode
-listener does; without that, UCX wire-up over TCP never completes.
+copy's event has completed"). Rows 5 and 6 are timed from what the product reports of
+each room (``TransferEvent`` and ``ReceiveEvent`` stamps, one clock for both processes):
+from the prefill's transfer worker claiming the request's chunk (its first gather follows
+at once) until the decode's last piece is scattered. Rows 1-3 are timed on the sender
+until the copy or WRITE completes. The destination is checked byte-exact (first and last
+request by default) for rows 3, 4 and 7, after the destination pages were cleared; rows 5
+and 6 check every byte of every request (the bench's decode does; ``--verify none``: none).
+By default the engine rows take turns per request (``--order interleaved``), so that a
+shared machine's drift hits them alike; each has one untimed warm-up. Rows 5 and 6 run
+after them, each in its own session (the decodes register with their prefill at start-up,
+so the first request finds the pair linked and warmed). Ratios are medians over the
+requests both rows ran. The engine agents run without NIXL's progress thread (our
+default): the receiver progresses its agent every ``--recv-progress-us`` while waiting, as
+the adapter's decode listener does; without that, UCX wire-up over TCP never completes.
 
     python benchmarks/bench_staging.py --mem VRAM --page-size 1 16 --json out.json
     python benchmarks/bench_staging.py --mem DRAM --quick          # CPU smoke test
+
+Rows 5 and 6 need what ``sgl-nixl-plugin bench`` needs (SGLang, pluggy); each request's
+steps after the worker's claim come from the product's per-room stamps (first and last
+WRITE posted, first and last piece at the decode, last scattered, status applied, Success
+seen). The engine copy of row 5 that they replace also timed each piece's hand-offs and
+the sender's calls (and took ``--pipeline-pieces``, ``--min-piece-mib``, ``--b-pieces``,
+``--warm-us``, ``--recv-spin-ms``); the product plans its own pieces, and its stamps are
+per room: ``benchmarks/product_timeline.py`` prints them step by step.
 
 Every wait is bounded; child processes are always stopped; a failing row prints its
 error and the others still run.
@@ -50,7 +66,6 @@ import signal
 import sys
 import time
 import traceback
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +76,14 @@ if str(_REPO) not in sys.path:
 import numpy as np  # noqa: E402
 
 ROWS = ("ceiling", "write", "perpage", "plain", "ours", "oursb", "ipc")
-RUN_ORDER = ("ceiling", "write", "plain", "ours", "oursb", "ipc", "perpage")  # slow one last
+RUN_ORDER = ("ceiling", "write", "plain", "ipc", "perpage")  # engine rows; slow one last
+SESSION_ROWS = ("ours", "oursb")  # the product, through the bench's session
 LABELS = {
     "ceiling": "1 ceiling: contiguous copy",
     "write": "2 one NIXL WRITE (1 descriptor)",
     "perpage": "3 per-page descriptors (SGLang)",
     "plain": "4 plain staging, no overlap",
-    "ours": "5 ours: pipelined StagedSend",
+    "ours": "5 ours: the product, staged",
     "oursb": "6 ours, variant B (--b-*)",
     "ipc": "7 one pass: pair_copy over IPC",
 }
@@ -76,10 +92,11 @@ _PLUGGY_STUBBED = False
 
 
 def _ensure_pluggy() -> None:
-    """``sgl_nixl_plugin.registry`` imports pluggy; the benchmark uses none of its hooks.
+    """``sgl_nixl_plugin.registry`` imports pluggy; the engine rows use none of its hooks.
 
     Where pluggy is not installed (the bare GPU machine) a stub stands in, so that the
-    engine modules import. Nothing here registers or calls a hook.
+    engine modules import; rows 5-6 (the product, whose hooks report each room) then fail
+    with an error and the engine rows still run.
     """
     global _PLUGGY_STUBBED
     try:
@@ -109,23 +126,10 @@ def _ensure_pluggy() -> None:
 
 _ensure_pluggy()
 
-from sgl_nixl_plugin.engine import staging as staging_mod  # noqa: E402
-
-_PLAN_DEFAULTS = {
-    k: getattr(staging_mod, k)
-    for k in ("PIPELINE_PIECES", "PIPELINE_PIECES_SAME_DEVICE", "MIN_PIECE_BYTES")
-}
 from sgl_nixl_plugin.engine import cuda_ipc  # noqa: E402
 from sgl_nixl_plugin.engine.descriptors import expected_descriptors  # noqa: E402
 from sgl_nixl_plugin.engine.engine import Memory, TransferEngine  # noqa: E402
 from sgl_nixl_plugin.engine.layout import Geometry, RegionSet  # noqa: E402
-from sgl_nixl_plugin.engine.scatter_queue import ScatterQueue  # noqa: E402
-from sgl_nixl_plugin.engine.staging import (  # noqa: E402
-    RemoteStaging,
-    StagedSend,
-    StagingBuffer,
-    plan_request,
-)
 from sgl_nixl_plugin.registry.spec import AgentConfig  # noqa: E402
 from sgl_nixl_plugin.settings import STAGING_DEFAULTS, Settings  # noqa: E402
 
@@ -148,40 +152,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=32, help="regions = 2 x layers (K and V)")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype-bytes", type=int, default=2, help="2 = bf16")
+    p.add_argument("--dtype-bytes", type=int, choices=(1, 2, 4), default=2, help="2 = bf16")
     p.add_argument(
         "--staging-mib",
         type=int,
         default=None,
-        help="default: the plugin's VRAM default (16 with --quick)",
+        help="rows 5-6: the product's staging buffer (SGLANG_NIXL_PLUGIN_STAGING_BYTES); "
+        "default: the plugin's VRAM default (16 with --quick)",
     )
     p.add_argument(
         "--slot-mib",
         type=int,
         default=None,
-        help="default: the plugin's VRAM default (2 with --quick)",
+        help="rows 5-6: its slots (SGLANG_NIXL_PLUGIN_STAGING_PIECE_BYTES); "
+        "default: the plugin's VRAM default (2 with --quick)",
     )
     p.add_argument(
         "--rows", nargs="+", choices=ROWS, default=list(ROWS), help="rows to run (default: all)"
     )
     p.add_argument(
-        "--pipeline-pieces",
-        type=int,
-        default=None,
-        help="override staging.PIPELINE_PIECES and PIPELINE_PIECES_SAME_DEVICE "
-        "(pieces per request; tuning)",
-    )
-    p.add_argument(
-        "--min-piece-mib",
-        type=int,
-        default=None,
-        help="override staging.MIN_PIECE_BYTES for --mem (tuning)",
-    )
-    p.add_argument(
         "--copier",
         choices=("auto", "triton", "torch", "numpy"),
         default="auto",
-        help="make_copier(prefer=...) for the ours row",
+        help="make_copier(prefer=...) for the one-pass row",
     )
     p.add_argument(
         "--recv-progress-us",
@@ -191,25 +184,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "message (the adapter's decode listener uses 1 ms; 0 spins)",
     )
     p.add_argument(
-        "--recv-spin-ms",
-        type=float,
-        default=0.0,
-        help="receiver: after each message, poll without blocking for this long "
-        "(a blocking wake-up costs ~0.1-0.3 ms on some hosts)",
-    )
-    p.add_argument(
         "--map-units",
         choices=("on", "off"),
         default=None,
-        help="sender: gathers read the request's indices from pinned host memory "
-        "instead of uploading them first (default: the copier's own setting)",
-    )
-    p.add_argument(
-        "--b-pieces",
-        type=int,
-        default=None,
-        help="row 6 (A/B in the same run, request by request): ours with this many "
-        "pieces per request",
+        help="gathers (row 5: the product's, SGLANG_NIXL_PLUGIN_MAP_INDICES) and the "
+        "one-pass copy read the request's indices from pinned host memory instead of "
+        "uploading them first (default: the plugin's setting)",
     )
     p.add_argument(
         "--b-map-units",
@@ -218,11 +198,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="row 6: ours with --map-units set so",
     )
     p.add_argument(
-        "--warm-us",
-        type=float,
-        default=0.0,
-        help="sender: spin this long just before each timed request, untimed "
-        "(diagnostic: how much of the head is a thread waking up)",
+        "--b-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="row 6: ours with this variable set in its ranks (repeatable), e.g. "
+        "SGLANG_NIXL_PLUGIN_STAGING_PIECE_BYTES=4194304",
     )
     p.add_argument("--num-threads", type=int, default=0, help="NIXL backend threads (0: default)")
     p.add_argument(
@@ -291,10 +272,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--requests must be >= 1")
     if args.host_torch and args.mem != "DRAM":
         p.error("--host-torch is for --mem DRAM")
-    has_b = args.b_pieces is not None or args.b_map_units is not None
+    has_b = args.b_env or args.b_map_units is not None
+    if any("=" not in kv for kv in args.b_env):
+        p.error("--b-env takes NAME=VALUE")
     if "oursb" in args.rows and not has_b:
         if "--rows" in (argv if argv is not None else sys.argv):
-            p.error("row oursb needs --b-pieces or --b-map-units")
+            p.error("row oursb needs --b-map-units or --b-env")
         args.rows = [r for r in args.rows if r != "oursb"]
     if args.slot_mib < 1 or args.staging_mib < args.slot_mib:
         p.error("need 1 <= --slot-mib <= --staging-mib")
@@ -316,11 +299,31 @@ def geometry_of(cfg: dict, page_size: int) -> dict:
     }
 
 
+def workload_of(cfg: dict, page_size: int) -> Any:
+    """The requests as the bench's session runs them (rows 5-6): this shape, one request at
+    a time, random pages, no state row."""
+    from sgl_nixl_plugin.bench.workload import ModelShape, Workload
+
+    dtype = {1: "fp8_e4m3", 2: "bfloat16", 4: "float32"}[cfg["dtype_bytes"]]
+    shape = ModelShape("bench_staging", cfg["layers"], cfg["kv_heads"], cfg["head_dim"], dtype)
+    return Workload(
+        shape,
+        page_size=page_size,
+        requests=cfg["requests"],
+        min_tokens=cfg["min_tokens"],
+        max_tokens=cfg["max_tokens"],
+        concurrency=1,
+        fragmentation="random",
+        state=False,
+        seed=cfg["seed"],
+    )
+
+
 def make_requests(cfg: dict, page_size: int) -> list[dict]:
-    """Token counts (same for every page size) and random pages on both sides."""
+    """Token counts (the bench workload's: same for every page size and every row) and
+    random pages on both sides."""
     g = geometry_of(cfg, page_size)
-    tok_rng = np.random.default_rng(cfg["seed"])
-    tokens = tok_rng.integers(cfg["min_tokens"], cfg["max_tokens"] + 1, size=cfg["requests"])
+    tokens = [r.tokens for r in workload_of(cfg, page_size).make_requests()]
     src_rng = np.random.default_rng(cfg["seed"] + 1000 + page_size)
     dst_rng = np.random.default_rng(cfg["seed"] + 2000 + page_size)
     out = []
@@ -364,97 +367,17 @@ def _pattern_torch(r: int, pages: Any, elems: int) -> Any:
 
 
 # ----------------------------------------------------------------------------- copier
-class _NumpyStandIn:
-    """Used only if ``copy_kernels`` cannot be imported (DRAM); labelled in the output."""
-
-    mem_kind = "DRAM"
-
-    @staticmethod
-    def _view(addr: int, nbytes: int) -> np.ndarray:
-        import ctypes
-
-        return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(int(addr)), dtype=np.uint8)
-
-    def _rows(self, base: int, offset: int, units: np.ndarray, unit_len: int, stride: int):
-        count = int(units.max()) + 1
-        span = (count - 1) * stride + unit_len
-        flat = self._view(int(base) + offset, span)
-        return np.lib.stride_tricks.as_strided(flat, (count, unit_len), (stride, 1))
-
-    def gather(self, bases, units, unit_len, stride, offset, stage, stream=None):
-        n = len(units)
-        out = self._view(stage, len(bases) * n * unit_len).reshape(len(bases), n, unit_len)
-        for i, b in enumerate(bases):
-            np.take(self._rows(b, offset, units, unit_len, stride), units, axis=0, out=out[i])
-
-    def scatter(self, bases, units, unit_len, stride, offset, stage, stream=None):
-        n = len(units)
-        src = self._view(stage, len(bases) * n * unit_len).reshape(len(bases), n, unit_len)
-        for i, b in enumerate(bases):
-            rows = self._rows(b, offset, units, unit_len, stride)
-            rows.flags.writeable = True
-            rows[units] = src[i]
-
-    def synchronize(self, stream=None):
-        return None
-
-    def prepare_units(self, units, stream=None):
-        return np.asarray(units, dtype=np.int64)
-
-    def prepare_bases(self, bases, stream=None):
-        return np.asarray(bases, dtype=np.uint64)
-
-    def bind(self, stream=None):
-        return None
-
-
-class _TimedCopier:
-    """Sums the host time spent in ``gather`` (all of it on DRAM; the launch on VRAM)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.seconds = inner, 0.0
-        self.mem_kind = getattr(inner, "mem_kind", None)
-
-    def gather(self, *args: Any, **kwargs: Any) -> None:
-        t0 = time.perf_counter()
-        self.inner.gather(*args, **kwargs)
-        self.seconds += time.perf_counter() - t0
-
-    def scatter(self, *args: Any, **kwargs: Any) -> None:
-        self.inner.scatter(*args, **kwargs)
-
-    def synchronize(self, stream: Any = None) -> None:
-        self.inner.synchronize(stream)
-
-    def prepare_units(self, units: Any, stream: Any = None) -> Any:
-        return self.inner.prepare_units(units, stream)
-
-    def prepare_bases(self, bases: Any, stream: Any = None) -> Any:
-        return self.inner.prepare_bases(bases, stream)
-
-    def release_units(self, units: Any, stream: Any = None) -> None:
-        release = getattr(self.inner, "release_units", None)
-        if release is not None:
-            release(units, stream)
-
-    def bind(self, stream: Any) -> None:
-        self.inner.bind(stream)
-
-
 def load_copier(mem: str, device: int, prefer: str = "auto") -> tuple[Any, str]:
-    try:
-        from sgl_nixl_plugin.engine.copy_kernels import make_copier
-    except ImportError as exc:
-        if mem == "DRAM":
-            return _NumpyStandIn(), f"STAND-IN numpy copier (copy_kernels missing: {exc})"
-        raise RuntimeError(f"sgl_nixl_plugin.engine.copy_kernels is missing: {exc}") from exc
+    """The one-pass row's copier (``pair_copy``)."""
+    from sgl_nixl_plugin.engine.copy_kernels import make_copier
+
     copier = make_copier(mem, device, prefer=prefer)
     return copier, f"copy_kernels.make_copier -> {type(copier).__name__}"
 
 
 # ----------------------------------------------------------------------------- one side
 class Side:
-    """A process's pool, engine, slotted staging and one request-sized staging buffer."""
+    """A process's pool, engine and one request-sized staging buffer."""
 
     def __init__(self, cfg: dict, page_size: int, device: int) -> None:
         self.cfg, self.mem, self.device = cfg, cfg["mem"], device
@@ -500,9 +423,6 @@ class Side:
         self.agent = self.engine.agent
         self.agent.register(
             RegionSet((self.big_ptr,), (self.max_bytes,), (self.max_bytes,), (device,), self.mem)
-        )
-        self.staging = StagingBuffer(
-            self.agent, cfg["staging_mib"] * MiB, cfg["slot_mib"] * MiB, self.mem, device
         )
         self.bases = np.asarray(self.region_ptrs, dtype=np.uint64)
         self.stream = self.torch.cuda.Stream(self.dev) if self.cuda else None
@@ -639,8 +559,6 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
     side = None
     try:
         side = Side(cfg, page_size, cfg["recv_gpu"])
-        copier, _ = load_copier(cfg["mem"], cfg["recv_gpu"], cfg["copier"])
-        st = side.staging
         ipc_export, ipc_error = _export_pool(cfg, side)
         conn.send(
             (
@@ -651,43 +569,24 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
                     "lens": list(side.kv.lens),
                     "item_lens": list(side.kv.item_lens),
                     "big_ptr": side.big_ptr,
-                    "staging_ptr": st.ptr,
-                    "slot_bytes": st.slot_bytes,
-                    "num_slots": st.num_slots,
-                    "staging_uuid": st.device_uuid,
                     "ipc": ipc_export,
                     "ipc_error": ipc_error,
                 },
             )
         )
-        dst = src = dst_dev = dst_units = None
-        scatters = ScatterQueue(copier, side.stream)
-        copier.bind(side.stream)  # like the decode's scatter thread: one stream, bound once
-        bases_dev = copier.prepare_bases(side.bases, side.stream)
+        dst = src = dst_dev = None
         idle = cfg["setup_timeout_s"] + cfg["req_timeout_s"] + 60
         # The agent has no progress thread: like the adapter's decode listener, progress it
         # between messages (a two-sided transport, e.g. UCX over TCP, needs the target to).
         tick = cfg["recv_progress_us"] * 1e-6
         progress = side.agent.progress if hasattr(side.agent, "progress") else (lambda: None)
 
-        def finished() -> None:
-            # scatters done so far, oldest first: free their slots (like PieceDone)
-            _hot(True)
-            for slot, t_got, t_launched in scatters.ready():
-                conn.send(("scattered", slot, t_got, t_launched[0], time.perf_counter()))
-            _hot(False)
-
-        spin = cfg["recv_spin_ms"] * 1e-3
         while True:
             last = time.perf_counter()
             checked = last
-            # poll without sleeping while scatters are queued and, with --recv-spin-ms, for
-            # that long after a message (more pieces are coming); else block for ``tick``
-            # (the decode's control loop blocks on ZMQ: it has no spin window)
-            while not conn.poll(0 if len(scatters) or time.perf_counter() - last < spin else tick):
-                if len(scatters):
-                    finished()
-                    continue
+            # block for ``tick`` between progress calls, as the decode's control loop
+            # blocks on ZMQ
+            while not conn.poll(tick):
                 progress()
                 now = time.perf_counter()
                 if now - checked > 2.0:
@@ -709,26 +608,6 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
                 elif kind == "req":
                     dst, src = msg[1], msg[2]
                     dst_dev = side.idx(dst) if side.torch is not None else dst
-                    # like the decode (DecodeStaging._prepare): page indices uploaded when
-                    # the room is granted slots, before the prefill sends anything
-                    dst_units = copier.prepare_units(dst, side.stream)
-                elif kind == "piece":
-                    _hot(True)
-                    _, slot, r0, r1, j0, j1, unit_len = msg
-                    t_got = time.perf_counter()
-                    launched = [0.0]  # set once the launch call returned
-                    scatters.launch(
-                        (slot, t_got, launched),
-                        bases=bases_dev[r0:r1],
-                        units=dst_units[j0:j1],
-                        unit_len=unit_len,
-                        stride=unit_len,
-                        offset=0,
-                        stage=st.addr(slot),
-                    )
-                    launched[0] = time.perf_counter()
-                    _hot(False)
-                    finished()
                 elif kind == "scatter_all":
                     n = len(dst)
                     t0 = time.perf_counter()
@@ -767,54 +646,17 @@ def receiver_main(cfg: dict, page_size: int, conn) -> None:
 
 
 # ----------------------------------------------------------------------------- sender
-def timeline(
-    t0: float, trace: list[tuple[int, str, float]], replies: list[tuple[float, float, float, float]]
-) -> dict:
-    """When (ms after the request began) each stage of the pipeline was last busy, and the
-    mean hand-off delays between stages: where a request's time goes. Both processes read
-    the same monotonic clock (perf_counter on Linux)."""
-
-    def last(step: str) -> float:
-        ts = [t for _, s, t in trace if s == step]
-        return (max(ts) - t0) * 1e3 if ts else float("nan")
-
-    def first(step: str) -> float:
-        ts = [t for _, s, t in trace if s == step]
-        return (min(ts) - t0) * 1e3 if ts else float("nan")
-
-    out = {
-        "step_in_ms": first("first gather"),
-        "units_ready_ms": first("units ready"),
-        "indices_ready_ms": first("indices ready"),
-        "first_gather_launch_ms": first("gather launched"),
-        "first_gather_done_ms": first("gather done"),
-        "first_post_ms": first("write posted"),
-        "last_gather_launch_ms": last("gather launched"),
-        "last_post_ms": last("write posted"),
-        "last_write_done_ms": last("write done"),
-    }
-    if replies:
-        sent, got, launched, done = (np.asarray(c) for c in zip(*replies, strict=True))
-        out.update(
-            {
-                "last_scatter_done_ms": (float(done.max()) - t0) * 1e3,
-                "notify_us": float(np.mean(got - sent)) * 1e6,  # PieceReady on its way
-                "launch_us": float(np.mean(launched - got)) * 1e6,  # receiver's launch call (DRAM:
-                # the whole scatter)
-                "scatter_us": float(np.mean(done - launched)) * 1e6,  # queued + running + noticed
-            }
-        )
-    return out
-
-
 class Sender:
     def __init__(self, cfg: dict, page_size: int, conn) -> None:
         self.cfg, self.ps, self.conn = cfg, page_size, conn
         self.mem = cfg["mem"]
         self.side = Side(cfg, page_size, cfg["send_gpu"])
         self.side.fill_pattern()
-        self.copier, self.copier_name = load_copier(self.mem, cfg["send_gpu"], cfg["copier"])
-        self.copier.bind(self.side.stream)  # like a prefill transfer worker
+        self.copier: Any = None
+        self.copier_name = "none (the one-pass row alone uses one)"
+        if "ipc" in cfg["rows"] and self.mem == "VRAM":
+            self.copier, self.copier_name = load_copier(self.mem, cfg["send_gpu"], cfg["copier"])
+            self.copier.bind(self.side.stream)  # like a prefill transfer worker
         self._map_default = Settings.from_env().map_indices  # as a prefill sets it
         hello = _recv(conn, cfg["setup_timeout_s"], "hello")[1]
         self.peer_info = hello
@@ -826,13 +668,6 @@ class Sender:
             hello["meta"], Memory(kv=remote_kv, aux=RegionSet.of([], [], [], self.mem))
         )
         self.link_s = time.perf_counter() - t0
-        self.remote_staging = RemoteStaging(
-            hello["staging_ptr"], hello["slot_bytes"], rdev, self.mem, hello.get("staging_uuid", "")
-        )
-        # as the prefill decides: one GPU for both sides when the UUIDs match
-        self.same_device = bool(self.side.staging.device_uuid) and (
-            self.side.staging.device_uuid == self.remote_staging.device_uuid
-        )
         self.requests = make_requests(cfg, page_size)
         self.peer_buf = None
         if self.mem == "VRAM" and cfg["send_gpu"] != cfg["recv_gpu"]:
@@ -840,7 +675,6 @@ class Sender:
             self.peer_buf = torch.empty(
                 self.side.max_bytes, dtype=torch.uint8, device=f"cuda:{cfg['recv_gpu']}"
             )
-        self.idle_wait = 0.0 if self.mem == "VRAM" else 1e-4
         self.seq = 0
         self.ipc: Any = None  # row 7: the receiver's pool mapped here
         self.ipc_reason = self._open_ipc(hello) if "ipc" in cfg["rows"] else "not requested"
@@ -850,6 +684,8 @@ class Sender:
         "" when ready, else why the row is skipped."""
         if hello.get("ipc") is None:
             return hello.get("ipc_error") or "the receiver exported nothing"
+        if self.copier is None:
+            return "needs --mem VRAM"
         if not hasattr(self.copier, "pair_copy"):
             return f"the {type(self.copier).__name__} has no pair_copy (needs Triton)"
         dev = self.cfg["send_gpu"]
@@ -1005,125 +841,17 @@ class Sender:
             "scatter_ms": scatter_s * 1e3,
         }
 
-    def row_oursb(self, req: dict) -> tuple[float, dict]:
-        """Row 5 with the --b-* settings, run on the same requests between row 5's."""
-        return self.row_ours(req, variant_b=True)
-
-    def row_ours(self, req: dict, variant_b: bool = False) -> tuple[float, dict]:
-        s = self.side
-        cfg = self.cfg
-        if hasattr(self.copier, "map_units"):
-            want = cfg["b_map_units"] if variant_b and cfg["b_map_units"] else cfg["map_units"]
-            self.copier.map_units = self._map_default if want is None else want == "on"
-        index = getattr(self.copier, "_index", None)
-        if index is not None:  # rows 5 and 6 send the same request: no cached upload
-            index._units.clear()
-        conn = self.conn
-        s.sync()
-        deadline = self._deadline()
-        if self.cfg["warm_us"] > 0:
-            end = time.perf_counter() + self.cfg["warm_us"] * 1e-6
-            while time.perf_counter() < end:
-                pass
-        _hot(True)
-        t0 = time.perf_counter()
-        # overrides whichever rule applies (one GPU or two)
-        n = cfg["b_pieces"] if variant_b and cfg["b_pieces"] else cfg["pipeline_pieces"]
-        tune = dict(_PLAN_DEFAULTS)  # each call from the defaults: rows 5 and 6 alternate
-        if n is not None:
-            tune.update(PIPELINE_PIECES=n, PIPELINE_PIECES_SAME_DEVICE=n)
-        if self.cfg["min_piece_mib"] is not None:
-            tune["MIN_PIECE_BYTES"] = {self.mem: self.cfg["min_piece_mib"] * MiB}
-        for k, v in tune.items():
-            setattr(staging_mod, k, v)
-        pieces = plan_request(
-            s.R, req["pages"], s.item, s.staging.slot_bytes, self.mem, same_device=self.same_device
-        )
-        remote_free = deque(range(self.peer_info["num_slots"]))
-        copier = _TimedCopier(self.copier)
-        trace: list[tuple[int, str, float]] = []
-        job = StagedSend(
-            s.agent,
-            copier,
-            s.staging,
-            self.remote_staging,
-            self.link.name,
-            s.bases,
-            req["src"],
-            Geometry.whole_items(),
-            pieces,
-            remote_free,
-            stream=s.stream,
-            trace=trace,
-        )
-        scattered = 0
-        step_s = 0.0
-        sent_at: dict[int, float] = {}
-        replies: list[tuple[float, float, float, float]] = []  # sent, got, launched, done
-        try:
-            while scattered < len(pieces):
-                busy = False
-                if not job.finished:
-                    ts = time.perf_counter()
-                    before = (job.posted, len(trace))
-                    landed = job.step()
-                    step_s += time.perf_counter() - ts
-                    busy = (job.posted, len(trace)) != before  # it did something: go on
-                    for piece, slot in landed:
-                        conn.send(
-                            ("piece", slot, piece.r0, piece.r1, piece.j0, piece.j1, piece.unit_len)
-                        )
-                        sent_at[slot] = time.perf_counter()
-                        busy = True
-                    if job.error:
-                        raise RuntimeError(f"StagedSend: {job.error}")
-                while conn.poll(0):
-                    msg = conn.recv()
-                    if msg[0] == "error":
-                        raise RuntimeError(f"receiver failed: {msg[1]}")
-                    if msg[0] != "scattered":
-                        raise RuntimeError(f"unexpected reply {msg[0]!r}")
-                    _, slot, t_got, t_launched, t_done = msg
-                    remote_free.append(slot)
-                    replies.append((sent_at.pop(slot), t_got, t_launched, t_done))
-                    scattered += 1
-                    busy = True
-                if time.perf_counter() > deadline:
-                    raise TimeoutError(
-                        f"ours: {scattered}/{len(pieces)} pieces scattered after "
-                        f"{self.cfg['req_timeout_s']:.0f} s"
-                    )
-                if not busy and self.idle_wait:
-                    conn.poll(self.idle_wait)  # DRAM: sleep until a reply (bounded), no spin
-        except BaseException:
-            job.abandon()
-            # ``finished`` is already true; WRITEs in flight still hold local slots until
-            # step() sees them end: drain them (bounded) so later requests keep every slot
-            end = time.perf_counter() + 10.0
-            while job.in_flight and time.perf_counter() < end:
-                job.step()
-            raise
-        t_end = time.perf_counter()
-        _hot(False)
-        dt = t_end - t0
-        return dt, {
-            "pieces": len(pieces),
-            "step_ms": step_s * 1e3,
-            "gather_call_ms": copier.seconds * 1e3,
-            **timeline(t0, trace, replies),
-        }
-
     def row_ipc(self, req: dict) -> tuple[float, dict]:
         """Row 7: one pair_copy of every layer's pages straight into the receiver's pages,
         timed from the first index upload to the receiver's reply to "landed"."""
         if self.ipc is None:
             raise RuntimeError(f"row ipc unavailable: {self.ipc_reason}")
         s, cfg, c = self.side, self.cfg, self.copier
-        if hasattr(c, "map_units"):  # as row 5 sets it, so both read indices alike
+        if hasattr(c, "map_units"):  # as rows 5-6 set the product's
             want = cfg["map_units"]
             c.map_units = self._map_default if want is None else want == "on"
         index = getattr(c, "_index", None)
-        if index is not None:  # rows send the same request: no cached upload
+        if index is not None:  # each request's upload, none cached from the warm-up
             index._units.clear()
         s.sync()
         done = s.torch.cuda.Event()
@@ -1389,7 +1117,7 @@ _PROFILE: Any = None  # with --profile: a cProfile.Profile enabled only inside t
 
 
 def _hot(on: bool) -> None:
-    """Profile only the timed staging path (the sender's row 5, the receiver's pieces)."""
+    """Profile only the timed path of the one-pass row (the sender's ``row_ipc``)."""
     if _PROFILE is not None:
         _PROFILE.enable() if on else _PROFILE.disable()
 
@@ -1414,6 +1142,90 @@ def _profiled(cfg: dict, name: str, fn: Any, *args: Any) -> None:
         stats.sort_stats("cumulative").print_stats(45)
         Path(cfg["profile"]).mkdir(parents=True, exist_ok=True)
         (Path(cfg["profile"]) / f"{name}.txt").write_text(out.getvalue())
+
+
+# ----------------------------------------------------------------------------- rows 5-6
+def session_env(cfg: dict, variant_b: bool) -> dict[str, str]:
+    """The ranks' settings for row 5 (``variant_b``: row 6)."""
+    env = {
+        "SGLANG_NIXL_PLUGIN_TRANSFER_PATH": "staging",
+        "SGLANG_NIXL_PLUGIN_STAGING_BYTES": str(cfg["staging_mib"] * MiB),
+        "SGLANG_NIXL_PLUGIN_STAGING_PIECE_BYTES": str(cfg["slot_mib"] * MiB),
+    }
+    if cfg["num_threads"]:
+        env["SGLANG_NIXL_PLUGIN_NIXL_THREADS"] = str(cfg["num_threads"])
+    want = cfg["b_map_units"] if variant_b and cfg["b_map_units"] else cfg["map_units"]
+    if want is not None:
+        env["SGLANG_NIXL_PLUGIN_MAP_INDICES"] = "1" if want == "on" else "0"
+    if variant_b:
+        env.update(kv.split("=", 1) for kv in cfg["b_env"])
+    return env
+
+
+def new_row(row: str, note: str = "") -> dict:
+    keys = ("req_idx", "times_ms", "bytes", "components", "verify")
+    return {"label": LABELS[row], **{k: [] for k in keys}, "note": note, "error": ""}
+
+
+#: Row 5's figures per request, from the product's stamps: ms after the transfer worker
+#: claimed the request's chunk (``bench.stamps``: ``p:`` prefill, ``d:`` decode)
+_STEPS = {
+    "first_post_ms": "p:first_post_at",  # first WRITE posted (the first gather's piece)
+    "first_piece_ms": "d:first_piece_at",  # the decode's scatter thread got the first piece
+    "last_post_ms": "p:last_post_at",  # the last WRITE posted (the aux row's)
+    "last_piece_ms": "d:last_piece_at",
+    "last_scatter_done_ms": "d:scattered_at",  # the row's end
+    "applied_ms": "d:applied_at",  # the status applied behind the scatters
+    "success_ms": "d:end_seen_at",  # the bench's decode loop saw Success
+}
+
+
+def run_session_row(cfg: dict, page_size: int, row: str) -> dict:
+    """Rows 5-6: every request through the bench's session (its prefill and decode drivers,
+    SGLang's classes, our plugin), one at a time, timed from the product's own stamps."""
+    from sgl_nixl_plugin.bench.session import SessionConfig, run_session
+    from sgl_nixl_plugin.bench.stamps import T0, T1, room_stamps
+
+    env = session_env(cfg, row == "oursb")
+    out = new_row(row, "own session: " + " ".join(f"{k[19:]}={v}" for k, v in env.items()))
+    w = workload_of(cfg, page_size)
+    reqs = make_requests(cfg, page_size)
+    scfg = SessionConfig(
+        w,
+        mem_kind=cfg["mem"],
+        prefill_gpu=cfg["send_gpu"],
+        decode_gpu=cfg["recv_gpu"],
+        timeout_s=cfg["setup_timeout_s"] + cfg["row_budget_s"],
+        verify=cfg["verify"] != "none",
+        env=env,
+        preconnect=True,  # the pair linked and warmed before the first request
+    )
+    res = run_session(scfg)
+    stamps, decoded = room_stamps(res), res.decode_results()
+    failed = []
+    for i, r in enumerate(w.make_requests()):
+        st = stamps.get(r.room)
+        if st is None or not st["ok"] or T1 not in st:
+            failed.append(i)
+            continue
+        claim = st["p:claimed_at"]
+        end = st.get("d:scattered_at") or st["p:ended_at"]  # not staged: its last WRITE
+        comp = {k: (st[v] - claim) * 1e3 for k, v in _STEPS.items() if v in st}
+        comp.update(pieces=st["pieces"], path=st["path"], latency_ms=(st[T1] - st[T0]) * 1e3)
+        out["req_idx"].append(i)
+        out["times_ms"].append((end - claim) * 1e3)
+        out["bytes"].append(reqs[i]["bytes"])
+        out["components"].append(comp)
+        d = decoded.get(r.room, {})
+        if "bad_pages" in d:
+            rows = geometry_of(cfg, page_size)["regions"] * reqs[i]["pages"]
+            out["verify"].append(
+                {"bad_page_rows": d["bad_pages"], "page_rows": rows, "request": i,
+                 "first_bad": None}
+            )  # fmt: skip
+    if failed or res.errors:
+        out["error"] = f"requests {failed} failed; session errors: {res.errors[:3]}"
+    return out
 
 
 def run_page_size(cfg: dict, page_size: int, budget_s: float) -> dict:
@@ -1479,6 +1291,29 @@ def run_page_size(cfg: dict, page_size: int, budget_s: float) -> dict:
                 p.kill()
                 p.join(timeout=5)
         res_r.close()
+    return result
+
+
+def run_all_rows(cfg: dict, page_size: int, budget_s: float) -> dict:
+    """The engine rows (two processes of their own), then rows 5-6 (a session each)."""
+    engine = [r for r in cfg["rows"] if r not in SESSION_ROWS]
+    result: dict[str, Any] = {"page_size": page_size, "rows": {}}
+    if engine:
+        result = run_page_size({**cfg, "rows": engine}, page_size, budget_s)
+    for row in (r for r in SESSION_ROWS if r in cfg["rows"]):
+        print(f"  {row}: a bench session of {cfg['requests']} requests", flush=True)
+        try:
+            result.setdefault("rows", {})[row] = run_session_row(cfg, page_size, row)
+        except Exception as exc:
+            result.setdefault("rows", {})[row] = {
+                **new_row(row),
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
+        result.setdefault("requests", [
+            {"i": r["i"], "tokens": r["tokens"], "pages": r["pages"], "bytes": r["bytes"]}
+            for r in make_requests(cfg, page_size)
+        ])  # fmt: skip
     return result
 
 
@@ -1568,23 +1403,18 @@ def fmt_table(run: dict, cfg: dict) -> str:
                 f"then receiver told in {med['notify_ms']:.2f} ms"
             )
         if key in ("ours", "oursb") and comps:
-            med = {k: float(np.median([c.get(k, np.nan) for c in comps])) for k in comps[0]}
-            gather_what = "gather calls" if cfg["mem"] == "DRAM" else "gather launches"
+            med = {
+                k: float(np.median([c.get(k, np.nan) for c in comps]))
+                for k in (*_STEPS, "pieces", "latency_ms")
+            }
             notes.append(
-                f"{int(med['pieces'])} pieces; p50: first step "
-                f"{med.get('step_in_ms', np.nan):.2f}, units uploaded "
-                f"{med.get('units_ready_ms', np.nan):.2f}, indices uploaded "
-                f"{med.get('indices_ready_ms', np.nan):.2f}, first gather launched "
-                f"{med.get('first_gather_launch_ms', np.nan):.2f} / seen done "
-                f"{med.get('first_gather_done_ms', np.nan):.2f}, first WRITE posted "
-                f"{med['first_post_ms']:.2f}"
-                f", last gather launched {med['last_gather_launch_ms']:.2f}, last WRITE posted "
-                f"{med['last_post_ms']:.2f} / done {med['last_write_done_ms']:.2f}, last scatter"
-                f" done {med.get('last_scatter_done_ms', np.nan):.2f} ms; per piece: notify "
-                f"{med.get('notify_us', np.nan):.0f} us, receiver launch "
-                f"{med.get('launch_us', np.nan):.0f} us, scatter queued+run "
-                f"{med.get('scatter_us', np.nan):.0f} us; sender step calls {med['step_ms']:.2f}"
-                f" ms ({gather_what} {med['gather_call_ms']:.2f})"
+                f"{med['pieces']:.0f} pieces; p50 after the worker's claim: first WRITE posted "
+                f"{med['first_post_ms']:.2f}, first piece at the decode "
+                f"{med['first_piece_ms']:.2f}, last WRITE posted {med['last_post_ms']:.2f}, "
+                f"last piece at the decode {med['last_piece_ms']:.2f}, last scatter done "
+                f"{med['last_scatter_done_ms']:.2f}, status applied {med['applied_ms']:.2f}, "
+                f"Success seen {med['success_ms']:.2f} ms; the bench's latency (WaitingForInput "
+                f"to Success) {med['latency_ms']:.2f} ms"
             )
         if row.get("note"):
             notes.append(row["note"])
@@ -1702,11 +1532,8 @@ def main(argv: list[str] | None = None) -> int:
         f"bench_staging: mem={args.mem} send_gpu={args.send_gpu} recv_gpu={args.recv_gpu} "
         f"page_sizes={args.page_size} requests={args.requests} "
         f"tokens={args.min_tokens}-{args.max_tokens} layers={args.layers} "
-        f"staging={args.staging_mib} MiB slot={args.slot_mib} MiB "
-        f"pieces={args.pipeline_pieces or staging_mod.PIPELINE_PIECES}/request "
-        f"({args.pipeline_pieces or staging_mod.PIPELINE_PIECES_SAME_DEVICE} on one GPU; min "
-        f"{args.min_piece_mib or staging_mod.MIN_PIECE_BYTES[args.mem] // MiB} MiB) "
-        f"verify={args.verify} map_units={args.map_units or 'default'} warm_us={args.warm_us:g} "
+        f"staging={args.staging_mib} MiB slot={args.slot_mib} MiB (rows 5-6) "
+        f"verify={args.verify} map_units={args.map_units or 'default'} "
         f"row_budget={args.row_budget_s:.0f}s budget={args.budget_s:.0f}s",
         flush=True,
     )
@@ -1727,7 +1554,7 @@ def main(argv: list[str] | None = None) -> int:
             share = 0.0
         interrupted = False
         try:
-            run = run_page_size(cfg, ps, share)
+            run = run_all_rows(cfg, ps, share)
         except KeyboardInterrupt:
             run = {"page_size": ps, "rows": {}, "error": "interrupted (SIGINT/SIGTERM)"}
             interrupted = True

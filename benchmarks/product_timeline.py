@@ -62,8 +62,7 @@ if str(_REPO) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-T0 = "p:waiting_seen_at"  # the prefill bench sees WaitingForInput: the bench's clock starts
-T1 = "d:end_seen_at"  # the decode bench sees Success: it stops
+from sgl_nixl_plugin.bench.stamps import T0, T1  # noqa: E402
 
 STEPS = [  # (label, stamp): medians over steady rooms, ms after T0
     ("decode: transfer requests going out", "d:requested_at"),
@@ -89,38 +88,9 @@ STEPS = [  # (label, stamp): medians over steady rooms, ms after T0
 ]
 
 
-def _latest(key: str) -> bool:
-    """Across the ranks of a room, the latest stamp counts for these (the earliest else)."""
-    return "last" in key or "ended" in key or "end_seen" in key or key.startswith("d:status")
-
-
-def room_stamps(result: Any) -> dict[int, dict[str, Any]]:
-    """Per room, every stamp both sides reported (``p:`` prefill, ``d:`` decode, merged over
-    the ranks of a side), its bytes and path."""
-    rooms: dict[int, dict[str, Any]] = {}
-    for side, ranks in (("p", result.prefill), ("d", result.decode)):
-        for rank in ranks.values():
-            for room, r in rank.get("results", {}).items():
-                out = rooms.setdefault(room, {"ok": True})
-                out["ok"] = out["ok"] and bool(r.get("ok"))
-                if side == "d":
-                    out["bytes"] = out.get("bytes", 0) + r.get("bytes", 0)
-                else:
-                    out["path"] = out.get("path") or r.get("path")
-                    out["pieces"] = out.get("pieces", 0) + int(
-                        r.get("timeline", {}).get("pieces", 0)
-                    )
-                stamps = {**r.get("timeline", {}), **r.get("stamps", {})}
-                for k, v in stamps.items():
-                    if not k.endswith("_at") or not v:
-                        continue
-                    key = f"{side}:{k}"
-                    old = out.get(key)
-                    out[key] = v if old is None else (max if _latest(key) else min)(old, v)
-    return rooms
-
-
 def analyse(result: Any, label: str) -> dict[str, Any]:
+    from sgl_nixl_plugin.bench.stamps import room_stamps
+
     rooms = {k: v for k, v in room_stamps(result).items() if v["ok"] and T1 in v and T0 in v}
     order = sorted(rooms, key=lambda k: rooms[k].get("d:request_sent_at", 0.0))
     steady = order[1:]

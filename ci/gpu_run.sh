@@ -118,9 +118,16 @@ staging() {
         --budget-s $((limit - 25)) "$@"
     RUNS=$((RUNS - 1))
 }
-staging staging_1gpu --send-gpu 0 --recv-gpu 0 --json "$OUT/staging_1gpu.json"
+# rows 5-6 ("ours") run the product through the bench's session: they need SGLang and
+# pluggy (ci/gpu_site.sh installs them); without those the engine rows run alone
+ROWS=()
+if ! "$PY" -c "import sglang, pluggy" >/dev/null 2>&1; then
+    ROWS=(--rows ceiling write perpage plain ipc)
+    note "no SGLang or pluggy here: bench_staging runs its engine rows only (no 'ours')"
+fi
+staging staging_1gpu --send-gpu 0 --recv-gpu 0 --json "$OUT/staging_1gpu.json" "${ROWS[@]}"
 if [[ $NGPU -ge 2 ]]; then
-    staging staging_2gpu --send-gpu 0 --recv-gpu 1 --json "$OUT/staging_2gpu.json"
+    staging staging_2gpu --send-gpu 0 --recv-gpu 1 --json "$OUT/staging_2gpu.json" "${ROWS[@]}"
 else
     note "one GPU only: the GPU0 -> GPU1 run is skipped"
 fi

@@ -5,12 +5,16 @@
 #
 # Each variant runs benchmarks/bench_staging.py (rows ceiling, WRITE, ours; REQ requests, default 20)
 # at page sizes 1 and 16 and appends the summary rows to $OUT/sweep.txt (one file: the device
-# tool brings back only a few; an argument names another folder). Needs .whl/ as for
-# ci/gpu_run.sh. docs/benchmarks.md §4 has the results of the 0.3.0 session (raw logs are not
-# kept in the repo).
+# tool brings back only a few; an argument names another folder). Row "ours" is the product
+# through the bench's session: it needs nixl and SGLang in /tmp/site (ci/gpu_site.sh: .whl and
+# .sglwhl, two calls). The piece count is the product's own rule (the engine copy of the row
+# and its --pipeline-pieces went when the row moved onto the session); slots and buffer come from --slot-mib and
+# --staging-mib. docs/benchmarks.md §4 has the results of the 0.3.0 session (raw logs are
+# not kept in the repo).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+# shellcheck source=ci/gpu_site.sh
+source ci/gpu_site.sh
 OUT=${1:-${OUT:-/tmp/out}}
 mkdir -p "$OUT"
 T0=$SECONDS
@@ -41,21 +45,16 @@ fi
 for v in ${VARIANTS:-base}; do
     case $v in
     base) run base --send-gpu 0 --recv-gpu 0 ;;  # the plugin's defaults
-    s128) run s128 --send-gpu 0 --recv-gpu 0 --slot-mib 128 --staging-mib 1024 --pipeline-pieces 6 ;;
-    s256) run s256 --send-gpu 0 --recv-gpu 0 --slot-mib 256 --pipeline-pieces 4 ;;
-    s512) run s512 --send-gpu 0 --recv-gpu 0 --slot-mib 512 --staging-mib 2048 --pipeline-pieces 2 ;;
-    s1024) run s1024 --send-gpu 0 --recv-gpu 0 --slot-mib 1024 --staging-mib 2048 --pipeline-pieces 1 ;;
-    spin) run spin --send-gpu 0 --recv-gpu 0 --recv-spin-ms 2 ;;
+    s128) run s128 --send-gpu 0 --recv-gpu 0 --slot-mib 128 --staging-mib 1024 ;;
+    s256) run s256 --send-gpu 0 --recv-gpu 0 --slot-mib 256 ;;
+    s512) run s512 --send-gpu 0 --recv-gpu 0 --slot-mib 512 --staging-mib 2048 ;;
+    s1024) run s1024 --send-gpu 0 --recv-gpu 0 --slot-mib 1024 --staging-mib 2048 ;;
     two) run two --send-gpu 0 --recv-gpu 1 ;;
-    two4) run two4 --send-gpu 0 --recv-gpu 1 --pipeline-pieces 4 ;;
     map) run map --send-gpu 0 --recv-gpu 0 --map-units on ;;  # indices read in place
     nomap) run nomap --send-gpu 0 --recv-gpu 0 --map-units off ;;
-    warm) run warm --send-gpu 0 --recv-gpu 0 --warm-us 500 ;;  # a thread not just woken
     abmap) run abmap --send-gpu 0 --recv-gpu 0 --rows ceiling write ours oursb --b-map-units on ;;
-    ab2) run ab2 --send-gpu 0 --recv-gpu 0 --rows ceiling write ours oursb --slot-mib 512 \
-        --staging-mib 2048 --b-pieces 2 ;;  # A: the default rule, B: 2 pieces
-    ab4) run ab4 --send-gpu 0 --recv-gpu 0 --rows ceiling write ours oursb --b-pieces 4 ;;
-    s512x3) run s512x3 --send-gpu 0 --recv-gpu 0 --slot-mib 512 --staging-mib 2048 --pipeline-pieces 3 ;;
+    ab512) run ab512 --send-gpu 0 --recv-gpu 0 --rows ceiling write ours oursb --staging-mib 2048 \
+        --b-env SGLANG_NIXL_PLUGIN_STAGING_PIECE_BYTES=536870912 ;;  # B: 512 MiB slots
     full)  # every row (incl. per-page descriptors and plain torch staging), the log kept
         f=${FULL_NAME:-full}
         echo "=== full ($f.log)" >>"$OUT/sweep.txt"
