@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The product path against the engine path on the lent GPU machine (issue 16, item 4), one
-# device call: the engine benchmark (benchmarks/bench_staging.py, row "ours") and the
-# product (`sgl-nixl-plugin bench --mem VRAM` through SGLang's classes) with per-step
-# timelines of both processes on one clock (benchmarks/product_timeline.py). Same shape and
-# sizes: Llama-3.1-8B, 4-8k tokens, random pages, one GPU for both sides.
+# device call: benchmarks/bench_staging.py (its row "ours" is the product's staged path
+# through the bench's session, timed from the worker's claim to the last scatter; pass
+# ENGINE_ARGS="--rows write plain ours" for engine rows beside it) and the product
+# (`sgl-nixl-plugin bench --mem VRAM` through SGLang's classes) with per-step timelines of
+# both processes on one clock from the product's own stamps (benchmarks/product_timeline.py).
+# Same shape and sizes: Llama-3.1-8B, 4-8k tokens, random pages, one GPU for both sides.
 #
 #     GAP_RUNS="engine t_p16_c1 t_p1_c1" bash ci/gpu_product_gap.sh      # no MPS
 #     MPS=1 GAP_RUNS="engine t_p16_c1" bash ci/gpu_product_gap.sh        # both under one MPS server
