@@ -3,8 +3,9 @@
 #
 #   kernel   the one-pass kernel alone (benchmarks/gpu_pair_sweep.py at the product's tile),
 #            with a second process holding a CUDA context on the GPU all along
-#   engine   benchmarks/bench_staging.py rows ceiling (contiguous copy), ours (staged) and
-#            ipc (one pass), two processes, page 1 and 16, random pages
+#   engine   benchmarks/bench_staging.py rows ceiling (contiguous copy), ours (the product's
+#            staged path through the bench's session, timed from its stamps: the worker's
+#            claim to the last scatter) and ipc (one pass), page 1 and 16, random pages
 #   product  `sgl-nixl-plugin bench --mem VRAM` through SGLang's classes, page 1 and 16, on
 #            the one-pass path (auto) and the staged path, one request at a time
 #
