@@ -3,9 +3,9 @@
 #
 #   kernel   the one-pass kernel alone (benchmarks/gpu_pair_sweep.py at the product's tile),
 #            with a second process holding a CUDA context on the GPU all along
-#   engine   benchmarks/bench_staging.py rows ceiling (contiguous copy), ours (the product's
-#            staged path through the bench's session, timed from its stamps: the worker's
-#            claim to the last scatter) and ipc (one pass), page 1 and 16, random pages
+#   engine   benchmarks/bench_staging.py rows ceiling (contiguous copy) and ipc (one pass),
+#            two processes, page 1 and 16, random pages (its "ours" row is the product's
+#            staged path now, measured below as p_staging_*)
 #   product  `sgl-nixl-plugin bench --mem VRAM` through SGLang's classes, page 1 and 16, on
 #            the one-pass path (auto) and the staged path, one request at a time
 #
@@ -64,7 +64,7 @@ kernel() {
 engine() {
   fits engine 120 || return
   timeout -k 10 200 python3 benchmarks/bench_staging.py --mem VRAM --send-gpu 0 --recv-gpu 0 \
-    --page-size 1 16 --rows ceiling ours ipc --requests "$REQ" --min-tokens 4096 \
+    --page-size 1 16 --rows ceiling ipc --requests "$REQ" --min-tokens 4096 \
     --max-tokens 8192 --budget-s 170 --json "$LOGS/engine.json" ${ENGINE_ARGS:-} \
     >"$LOGS/engine.txt" 2>"$LOGS/engine.err"
   echo "exit $?" | tee -a "$SUM"
