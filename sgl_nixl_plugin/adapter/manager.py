@@ -28,7 +28,8 @@ from sgl_nixl_plugin.adapter.sglang_rooms import (
     tcp,
 )
 from sgl_nixl_plugin.engine.engine import TransferEngine
-from sgl_nixl_plugin.engine.staging import StagingBuffer
+from sgl_nixl_plugin.engine.staging import gpu_uuid
+from sgl_nixl_plugin.engine.staging_memory import LazyStaging
 from sgl_nixl_plugin.protocol.decode_rooms import DecodeRooms
 from sgl_nixl_plugin.protocol.prefill_rooms import Chunk, EarlyAborts
 from sgl_nixl_plugin.registry import manager as registry
@@ -49,6 +50,7 @@ from sgl_nixl_plugin.sides.one_pass import offer as offer_one_pass
 from sgl_nixl_plugin.sides.pipeline_stages import PrefillStage
 from sgl_nixl_plugin.sides.prefill_side import PrefillSide
 from sgl_nixl_plugin.sides.process_knobs import apply_process_knobs
+from sgl_nixl_plugin.sides.staging_offers import StagingOffers
 from sgl_nixl_plugin.transport import bootstrap_client
 from sgl_nixl_plugin.transport.transport import Transport
 from sgl_nixl_plugin.wire.codec import Codec, index_specs
@@ -143,8 +145,11 @@ class NixlPluginKVManager(CommonKVManager):
             self.prefill = self.side = PrefillSide(self._prefill_context(base, args, gpu))
         else:
             self.decode = self.side = DecodeSide(self._decode_context(base, gpu))
-            # once: a registration sent again must be identical (the prefill keeps its link)
+            # once: a registration sent again must be identical (the prefill keeps its link),
+            # also after the staging buffer's registration changed our NIXL metadata (a
+            # prefill that asks for it gets the new metadata with it: ``StagingOffer``)
             self._ipc_offer, self.decode.ctx.flags = offer_one_pass(self.settings, memory, gpu)
+            self._registration_metadata = self.engine.metadata
             self._start_heartbeat_checker_thread()
         self.side.start()
         if not is_prefill:  # the prefills an operator named: registered as each comes up
@@ -157,12 +162,10 @@ class NixlPluginKVManager(CommonKVManager):
             self.register_to_bootstrap()
         announce()
         metrics.prepare()
-        staging = self.side.ctx.staging  # a prefill's buffer, or a decode's scatter side
-        buffer = getattr(staging, "buffer", staging)
-        held = buffer.nbytes if buffer is not None else 0
+        staging = self.side.ctx.staging_memory  # allocated when a peer first stages
         logger.info(
             "sgl-nixl: %s manager ready (agent %s, %s KV, %d regions%s, control %s:%s); "
-            "the plugin holds %d MiB of %s memory for staging",
+            "the plugin holds %s",
             disaggregation_mode.value,
             self.engine.name,
             self.kv_mem_kind,
@@ -170,8 +173,7 @@ class NixlPluginKVManager(CommonKVManager):
             "" if memory.host_kv is None else f", with a host pool of {len(memory.host_kv)}",
             self.local_ip,
             self.rank_port,
-            held >> 20,
-            "GPU" if self.kv_mem_kind == "VRAM" else "host",
+            staging.describe() if staging is not None else "no memory for staging (it is off)",
         )
 
     # -- composition ----------------------------------------------------------------------
@@ -205,50 +207,45 @@ class NixlPluginKVManager(CommonKVManager):
                 if hasattr(ctx.copier, "map_units"):  # the sender's indices: read in place
                     ctx.copier.map_units = self.settings.map_indices
                 ctx.warm_copier(ctx.kv_item_len)  # whole pages: the equal-TP shape
-                ctx.staging = StagingBuffer(
-                    self.engine.agent, self.staging_bytes, self.slot_bytes, self.kv_mem_kind, gpu
-                )
+                ctx.staging_memory = self._staging_memory(gpu)
                 if self.kv_mem_kind == "VRAM":
                     import torch
 
                     ctx.copy_stream = torch.cuda.Stream(device=gpu)
+                    ctx.device_uuid = gpu_uuid(gpu)
             except Exception as exc:
-                ctx.staging = ctx.copier = None
+                ctx.staging_memory = ctx.copier = None
                 logger.warning(
                     "sgl-nixl: staging path disabled (%s); scattered pages go direct", exc
                 )
         return ctx
 
+    def _staging_memory(self, gpu: int) -> LazyStaging:
+        """The staging buffer this rank allocates when a peer first needs the staged path."""
+        args = (self.engine.agent, self.staging_bytes, self.slot_bytes, self.kv_mem_kind, gpu)
+        return LazyStaging(*args)
+
     def _decode_context(self, base: dict[str, Any], gpu: int) -> DecodeContext:
-        buffer = None
-        if self.staging_bytes > 0:
-            try:
-                buffer = StagingBuffer(
-                    self.engine.agent, self.staging_bytes, self.slot_bytes, self.kv_mem_kind, gpu
-                )
-            except Exception as exc:
-                logger.warning(
-                    "sgl-nixl: staging path disabled (%s); scattered pages go direct", exc
-                )
-        rooms = DecodeRooms(
-            buffer.num_slots if buffer is not None else 0,
-            quarantine_s=self.settings.abort_drain_timeout_s,
-        )
-        ctx = DecodeContext(**base, rooms=rooms)
+        memory = self._staging_memory(gpu) if self.staging_bytes > 0 else None
+        rooms = DecodeRooms(quarantine_s=self.settings.abort_drain_timeout_s)  # slots: later
+        ctx = DecodeContext(**base, rooms=rooms, staging_memory=memory)
         ctx.warmup = DecodeWarmup(
             self.transport.send_raw,
             self.build_receiver_registration_message,
             ctx.sglang.prefill_info,
             self.settings.secret,
         )
-        if buffer is not None:
-            sg = ctx.sglang
+        if memory is not None:
+            sg, me = ctx.sglang, ctx.me
+            offers = StagingOffers(
+                memory, rooms, ctx.send, (me.name, me.ip, me.port), lambda: self.engine.metadata
+            )
             ctx.staging = DecodeStaging(
                 agent=self.engine.agent,
                 kv=self.engine.memory.kv,
                 rooms=rooms,
                 host_kv=self.engine.memory.host_kv,
-                buffer=buffer,
+                offers=offers,
                 device=gpu,
                 messenger=SlotMessenger(self.engine.name, ctx.send),
                 apply_status=lambda m: sg.apply_status(m.room, m.status, m.prefill_rank, m.reason),
@@ -356,7 +353,7 @@ class NixlPluginKVManager(CommonKVManager):
             compat=self.compat,
             compat_hash=self.compat_hash,
             agent_name=self.engine.name,
-            agent_metadata=self.engine.metadata,
+            agent_metadata=self._registration_metadata,
             ip=self.local_ip,
             port=int(self.rank_port),
             tp_rank=int(args.engine_rank) % self.attn_tp_size,
@@ -364,7 +361,7 @@ class NixlPluginKVManager(CommonKVManager):
             kv=to_regions(mem.kv),
             aux=to_regions(mem.aux),
             state=[to_regions(s) for s in mem.state],
-            staging=self.decode.staging_area(),
+            staging_slot_bytes=self.slot_bytes if self.decode.staging is not None else 0,
             ipc=self._ipc_offer,
             scratch=None if self.engine.scratch is None else to_regions(self.engine.scratch)[0],
             host_kv=to_regions(mem.host_kv) if mem.host_kv is not None else [],

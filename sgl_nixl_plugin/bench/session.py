@@ -58,6 +58,8 @@ class SessionConfig:
     separate_bootstrap: bool = False
     timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)
+    # extra environment of one role's ranks ("prefill", "decode"), over ``env``
+    role_env: dict[str, dict[str, str]] = field(default_factory=dict)
     verify: bool = True
     prefill_pp: int = 1  # pipeline stages of each prefill server
     decode_pp: int = 1  # of each decode server: 1 or prefill_pp (what SGLang pairs)
@@ -177,12 +179,14 @@ def _specs(cfg: SessionConfig) -> tuple[list[RankSpec], list[str]]:
             specs.append(RankSpec("bootstrap", i, cfg.prefill_tp, 0, bootstrap_port=port, **common))
         ranks = _server_ranks(
             "prefill", i, cfg.prefill_tp, cfg.prefill_pp, cfg.prefill_dp,
-            bootstrap_port=port, gpu_id=cfg.prefill_gpu, **common,
+            bootstrap_port=port, gpu_id=cfg.prefill_gpu,
+            **{**common, "env": {**env, **cfg.role_env.get("prefill", {})}},
         )  # fmt: skip
         ranks[0] = replace(ranks[0], serve_bootstrap=not cfg.separate_bootstrap)
         specs += ranks
+    common["env"] = {**env, **cfg.role_env.get("decode", {})}
     if cfg.preconnect:
-        common["env"] = {**env, "SGLANG_NIXL_PLUGIN_PREFILLS": ",".join(addrs)}
+        common["env"] = {**common["env"], "SGLANG_NIXL_PLUGIN_PREFILLS": ",".join(addrs)}
     for i in range(cfg.n_decode):
         specs += _server_ranks(
             "decode", i, cfg.decode_tp, cfg.decode_pp, cfg.decode_dp, bootstrap_port=0,

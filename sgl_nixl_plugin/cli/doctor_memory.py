@@ -75,17 +75,19 @@ def check_memory_kinds(ctx: DoctorContext) -> list[CheckResult]:
 
 def check_staging_memory(ctx: DoctorContext) -> list[CheckResult]:
     """How much memory the plugin holds on each rank for its staging buffer, per memory
-    kind of the KV pool (SGLang sized its pools before: it comes out of the headroom)."""
+    kind of the KV pool: none at start-up; the buffer is taken when a peer first needs the
+    staged path (after SGLang sized its pools: it comes out of the headroom)."""
     cfg = settings.Settings.from_env()
-    held = {kind: settings.staging_sizes(cfg, kind)[0] for kind in ("VRAM", "DRAM")}
-    ctx.facts["staging_bytes"] = held
-    if not any(held.values()):
+    most = {kind: settings.staging_sizes(cfg, kind)[0] for kind in ("VRAM", "DRAM")}
+    ctx.facts["staging_bytes"] = most  # the most one rank takes
+    if not any(most.values()):
         return [CheckResult("staging memory", "ok", "none: staging is off on every rank")]
     detail = (
-        f"{_gib(held['VRAM'])} of GPU memory on each rank with its KV pool on a GPU, "
-        f"{_gib(held['DRAM'])} of host memory with a host KV pool; taken at start-up on "
-        "every prefill and decode rank, after SGLang sized its KV pool "
-        "(SGLANG_NIXL_PLUGIN_STAGING_BYTES sets it; 0: none, scattered pages go direct)"
+        f"0 MiB at start-up; up to {_gib(most['VRAM'])} of GPU memory on each rank with its "
+        f"KV pool on a GPU, {_gib(most['DRAM'])} of host memory with a host KV pool, taken "
+        "when a peer first needs the staged path (never on a rank whose peers all write in "
+        "one pass or direct; each rank logs it when it happens). "
+        "SGLANG_NIXL_PLUGIN_STAGING_BYTES sets it; 0: none, scattered pages go direct"
     )
     return [CheckResult("staging memory", "ok", detail)]
 

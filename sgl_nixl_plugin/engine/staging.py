@@ -152,6 +152,13 @@ def spare_of(ptr: int, nbytes: int, slot_bytes: int) -> tuple[int, int]:
     return (ptr + nbytes - tail, tail) if tail > 0 else (0, 0)
 
 
+def gpu_uuid(device: int) -> str:
+    """The GPU's UUID (bounded as the wire field is), so that a peer can tell it shares it."""
+    import torch
+
+    return str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))[:64]
+
+
 class StagingBuffer:
     """A registered buffer cut into equal slots, with a thread-safe free list, and a spare
     tail (:data:`SPARE_BYTES`) that no slot covers."""
@@ -172,8 +179,7 @@ class StagingBuffer:
 
             self._mem: Any = torch.empty(size, dtype=torch.uint8, device=f"cuda:{device}")
             self.ptr = int(self._mem.data_ptr())
-            uuid = getattr(torch.cuda.get_device_properties(device), "uuid", "")
-            self.device_uuid = str(uuid)[:64]  # the wire field's bound
+            self.device_uuid = gpu_uuid(device)
         else:
             self._mem = np.full(size, 0, dtype=np.uint8)  # touched now: no faults mid-transfer
             self.ptr = int(self._mem.ctypes.data)
@@ -240,7 +246,7 @@ class StagedSend:
     agent: Agent
     copier: Any
     local: StagingBuffer
-    remote: RemoteStaging
+    remote: RemoteStaging | None  # None: the receiver's area is on its way (``remote_of``)
     peer: str
     src_bases: np.ndarray
     units: np.ndarray
@@ -248,6 +254,9 @@ class StagedSend:
     pieces: list[Piece]
     remote_free: deque[int]  # receiver slots this room may write; shared by its chunks
     stream: Any = None
+    #: The receiver's area once it is known, where ``remote`` was None: it comes before the
+    #: first receiver slot (the receiver sends it first), so a WRITE is never without it.
+    remote_of: Callable[[], RemoteStaging | None] | None = None
     #: How many receiver slots the room holds now (free or in use); None: a fixed pool.
     #: Gathered pieces that wait for a WRITE never outnumber them, and a room that holds
     #: none gathers nothing: local slots are shared by every room, and a room waiting for
@@ -360,19 +369,25 @@ class StagedSend:
             f = self._gathered[0]
             if f.event is not None and not f.event.query():
                 break
+            remote = self.remote or (self.remote_of() if self.remote_of is not None else None)
+            if remote is None:
+                self.error = "a receiver slot came before the receiver's staging area"
+                self.abandon()
+                return
+            self.remote = remote
             self._note(f.piece, "gather done")
             self._gathered.popleft()
             f.remote_slot = self.remote_free.popleft()
             try:
                 f.xfer = self.agent.write_contiguous(
                     self.local.addr(f.local_slot),
-                    self.remote.addr(f.remote_slot),
+                    remote.addr(f.remote_slot),
                     f.piece.nbytes,
                     peer=self.peer,
                     mem_kind=self.local.mem_kind,
-                    remote_mem_kind=self.remote.mem_kind,
+                    remote_mem_kind=remote.mem_kind,
                     local_device=self.local.device,
-                    remote_device=self.remote.device,
+                    remote_device=remote.device,
                 )
             except TransferError as exc:
                 self.local.release([f.local_slot])

@@ -167,6 +167,14 @@ class DecodeRooms:
         rec = self._rooms.get(room)
         return rec if rec is not None and rec.phase.live else None
 
+    def add_slots(self, num_slots: int) -> None:
+        """The staging buffer was allocated (lazily, after the rooms table was made): its
+        slots, all free. Only into a table that has none yet."""
+        with self.lock:
+            if len(self.slots):
+                raise ValueError(f"the slot table already has {len(self.slots)} slots")
+            self.slots = SlotTable(num_slots, self._clock)
+
     # -- lifecycle --------------------------------------------------------------------
     def open(self, room: int, endpoints: set[Endpoint]) -> DecodeRoom:
         """The receiver learnt which prefill ranks serve ``room`` (a repeat replaces them).
@@ -314,12 +322,17 @@ class DecodeRooms:
 
     # -- staging slots ----------------------------------------------------------------
     def grant(
-        self, room: int, pages: np.ndarray, sender: Endpoint | None, senders: int = 1
+        self,
+        room: int,
+        pages: np.ndarray,
+        sender: Endpoint | None,
+        senders: int = 1,
+        now: bool = True,
     ) -> tuple[list[int], bool]:
         """Slots for one sender of a staged ``room`` at its transfer request, and whether
-        its page numbers are new (to be uploaded now). None while others wait: the sender
-        then asks and is served in room order; none for a room id whose previous room
-        still drains."""
+        its page numbers are new (to be uploaded now). None while others wait, or not
+        ``now`` (the sender does not have our staging area yet): the sender then asks and
+        is served in room order; none for a room id whose previous room still drains."""
         with self.lock:
             rec = self._live(room) or self.open(room, {sender} if sender else set())
             if not rec.phase.live:
@@ -331,7 +344,7 @@ class DecodeRooms:
             if rec.order < 0:
                 rec.order, self._next_order = self._next_order, self._next_order + 1
             n = slots_per_sender(rec.senders)
-            slots = self.slots.grant(room, sender, n) if not self._waiting else []
+            slots = self.slots.grant(room, sender, n) if now and not self._waiting else []
             return slots, fresh
 
     def ask(self, room: int, sender: Endpoint) -> tuple[bool, list[Grant], list[Recall]]:

@@ -20,6 +20,15 @@ class DecodePeer:
     endpoint: tuple[str, int]
     staging: RemoteStaging | None = None
     window: tuple[int, ...] | None = None  # its KV regions we write (a PP stage's); None: all
+    wants_staging: bool = False  # we asked for its staging area (sent in a ``StagingOffer``)
+
+    @property
+    def staging_slot_bytes(self) -> int:
+        """Its staging slot size: of its area, or, while that is on its way, of its
+        registration (its rooms then wait for slots); 0: we do not stage into it."""
+        if self.staging is not None:
+            return self.staging.slot_bytes
+        return self.reg.staging_slot_bytes if self.wants_staging else 0
 
 
 class DecodePeers:

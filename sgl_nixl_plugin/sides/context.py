@@ -12,6 +12,7 @@ from typing import Any
 from sgl_nixl_plugin import metrics
 from sgl_nixl_plugin.engine.engine import PeerLink, TransferEngine
 from sgl_nixl_plugin.engine.staging import StagingBuffer
+from sgl_nixl_plugin.engine.staging_memory import LazyStaging
 from sgl_nixl_plugin.protocol.decode_rooms import DecodeRooms
 from sgl_nixl_plugin.protocol.peers import DecodePeers
 from sgl_nixl_plugin.protocol.prefill_rooms import EarlyAborts, PrefillRoom, PrefillRooms
@@ -52,6 +53,9 @@ class SideBase:
     server_socket: Any
     mem_kind: str
     engine_lock: threading.Lock = field(default_factory=threading.Lock)
+    # the staging buffer as planned, allocated when a peer first needs the staged path
+    # (None: staging is off); a prefill's ``staging`` is its buffer once allocated
+    staging_memory: LazyStaging | None = None
 
     def send(self, endpoint: Endpoint, msg: Any, arrays: tuple = ()) -> bool:
         return self.transport.send(endpoint, msg, arrays)
@@ -77,10 +81,11 @@ class PrefillContext(SideBase):
     rooms: PrefillRooms = field(default_factory=PrefillRooms)
     peers: DecodePeers = field(default_factory=DecodePeers)
     early: EarlyAborts = field(default_factory=lambda: EarlyAborts(60.0))
-    staging: StagingBuffer | None = None
+    staging: StagingBuffer | None = None  # ``staging_memory``'s buffer, once allocated
     copier: Any = None
     copy_stream: Any = None
     gpu: int = 0  # this rank's CUDA device (VRAM KV)
+    device_uuid: str = ""  # its UUID ("" for host memory): a peer on the same GPU shows it
     fallbacks: int = 0  # staged chunks sent direct: no receiver slot in time
     warmups: int = 0  # decodes whose padding page took the first WRITE at registration
     light_warmups: int = 0  # of which one item only: their first request was waiting

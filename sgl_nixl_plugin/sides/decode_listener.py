@@ -191,8 +191,9 @@ class DecodeListener(ControlLoop):
         """A prefill rank's answer to our registration (in another version's envelope:
         ``ForeignReply``, always a refusal)."""
         ctx = self.ctx
-        if ctx.warmup is not None:
-            accepted = isinstance(msg, RegistrationReply) and msg.accepted and not msg.retry
+        reply = msg if isinstance(msg, RegistrationReply) else None
+        accepted = reply is not None and reply.accepted and not reply.retry
+        if ctx.warmup is not None and not (accepted and self._links_with_staging(reply)):
             ctx.warmup.replied((msg.ip, msg.port), accepted)
         if isinstance(msg, RegistrationReply) and msg.retry:
             self.side.forget_endpoint((msg.ip, msg.port))  # it lost our registration
@@ -200,6 +201,19 @@ class DecodeListener(ControlLoop):
             self.side.on_refused((msg.ip, msg.port), msg.reason)
         elif isinstance(msg, RegistrationReply):
             self._on_accepted(msg)
+
+    def _links_with_staging(self, reply: RegistrationReply | None) -> bool:
+        """Whether the warm-up counts this prefill rank as linked only once our staging
+        area went to it: when this decode names its prefills (``PREFILLS``), so that
+        their first requests carry staging slots; else at once (a request already waits,
+        and asks for its slots)."""
+        ctx = self.ctx
+        return bool(
+            reply is not None
+            and reply.wants_staging
+            and ctx.staging is not None
+            and ctx.settings.prefills
+        )
 
     def _on_accepted(self, msg: RegistrationReply) -> None:
         """Note how the prefill rank will write to us: one pass (with completion flags or
@@ -216,6 +230,16 @@ class DecodeListener(ControlLoop):
         if ctx.staging is not None:
             # before any piece of that rank: its pieces come after this reply
             ctx.staging.set_window(endpoint, tuple(msg.kv_window))
+            if msg.wants_staging:  # it may stage into us: our area (allocated now if not yet)
+                warm = ctx.warmup
+                then = (
+                    (lambda: warm.replied(endpoint, True))
+                    if warm is not None and self._links_with_staging(msg)
+                    else None
+                )
+                ctx.staging.offers.offer(endpoint, then)
+            else:
+                ctx.staging.offers.withdraw(endpoint, declined=True)
 
     def check_liveness(self) -> None:
         ctx, side = self.ctx, self.side

@@ -66,6 +66,8 @@ class DecodePolicy:
         self.ctx.sglang.forget_prefill_endpoint(endpoint, disconnect)
         self.ctx.one_pass.discard(endpoint)
         self.ctx.flag_ranks.pop(endpoint, None)
+        if self.ctx.staging is not None:  # it has our staging area again once it asks again
+            self.ctx.staging.offers.withdraw(endpoint)
         if self.ctx.warmup is not None:
             self.ctx.warmup.forget(endpoint)
 

@@ -33,13 +33,15 @@ from sgl_nixl_plugin.wire.messages import (
     RegistrationReply,
     SlotGrant,
     SlotRecall,
+    StagingArea,
+    StagingOffer,
     TransferRequest,
 )
 
 logger = logging.getLogger(__name__)
 
 # messages that name the decode agent that sent them
-_FROM_AGENT = (PeerRegistration, TransferRequest, PieceDone, SlotGrant, SlotRecall)
+_FROM_AGENT = (PeerRegistration, TransferRequest, PieceDone, SlotGrant, SlotRecall, StagingOffer)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class Setup:
     warm_light: bool = False  # one item: the decode's first request was already waiting
     window: tuple[int, ...] | None = None
     one_pass: str = ""
+    wants_staging: bool = False  # ask the decode for its staging area (``StagingOffer``)
     reason: str = ""
     unreachable: str = ""
 
@@ -93,6 +96,7 @@ class DecodeRegistrations:
         retry: bool = False,
         window: tuple[int, ...] | None = None,
         one_pass: Any = None,
+        wants_staging: bool = False,
     ) -> None:
         """``one_pass``: the decode's ``OnePassLink`` on this rank, if it has one."""
         me = self.ctx.me
@@ -107,6 +111,7 @@ class DecodeRegistrations:
             list(window or ()),
             one_pass is not None,
             one_pass is not None and one_pass.flags is not None,
+            wants_staging,
         )
         self.ctx.send(endpoint, reply)
 
@@ -145,6 +150,7 @@ class DecodeRegistrations:
                 reg.agent_name,
                 window=known.window,
                 one_pass=known.link.one_pass,
+                wants_staging=known.wants_staging,
             )
             return
         if known is not None:
@@ -204,7 +210,6 @@ class DecodeRegistrations:
         except TransferError as exc:
             return Setup(unreachable=str(exc))
         light = reg.agent_name in self.request_waits
-        warm_ms = self._warm(link, reg.agent_name, _remote_staging(reg), reg.scratch, light)
         one_pass = attach_one_pass(
             settings=ctx.settings,
             link=link,
@@ -213,17 +218,42 @@ class DecodeRegistrations:
             copier=ctx.copier,
             stream=ctx.copy_stream,
             gpu=ctx.gpu,
-            local_uuid=ctx.staging.device_uuid if ctx.staging is not None else "",
+            local_uuid=ctx.device_uuid,
         )
-        if ctx.staging is not None and not geometry.is_whole_items:
+        stages = self._stages_into(reg, link)
+        area = _remote_staging(reg) if stages else None
+        warm_ms = self._warm(link, reg.agent_name, area, reg.scratch, light)
+        if stages and not geometry.is_whole_items:
             ctx.warm_copier(geometry.unit_len, geometry.src_stride, geometry.src_offset)
-        return Setup(link=link, warm_ms=warm_ms, warm_light=light, window=window, one_pass=one_pass)
+        return Setup(
+            link=link,
+            warm_ms=warm_ms,
+            warm_light=light,
+            window=window,
+            one_pass=one_pass,
+            wants_staging=stages and reg.staging is None,
+        )
+
+    def _stages_into(self, reg: PeerRegistration, link: PeerLink) -> bool:
+        """Whether this decode may take staged transfers from us (it has a staging area,
+        or allocates one on request, and not every chunk to it goes one pass: host-pool
+        rooms never do); our own buffer is allocated now, on the setup thread, if so."""
+        memory = self.ctx.staging_memory
+        if memory is None or (reg.staging is None and not reg.staging_slot_bytes):
+            return False
+        if link.one_pass is not None and not reg.host_kv:
+            return False
+        self.ctx.staging = memory.ensure(f"decode {reg.agent_name} may take staged transfers")
+        return self.ctx.staging is not None
 
     def finish(self) -> bool:
         """Accept or refuse the decodes whose setup came back; whether any did (their
         messages read meanwhile may go now)."""
         done = self.setup.finished()
         for reg, result in done:
+            if isinstance(reg, StagingOffer):
+                self._offer_taken(reg, result)
+                continue
             self.setting_up.pop(reg.agent_name, None)
             self.request_waits.discard(reg.agent_name)
             if isinstance(result, Exception):
@@ -269,6 +299,7 @@ class DecodeRegistrations:
                     endpoint,
                     staging=_remote_staging(reg),
                     window=setup.window,
+                    wants_staging=setup.wants_staging,
                 )
                 peers.refused.pop(reg.agent_name, None)
         if old_link is not None:
@@ -301,6 +332,70 @@ class DecodeRegistrations:
             reason,
             window=setup.window,
             one_pass=link.one_pass if not reason and link is not None else None,
+            wants_staging=setup.wants_staging and not reason,
+        )
+
+    # -- a decode's staging area, allocated when we asked for it -------------------------
+    def on_staging_offer(self, msg: StagingOffer) -> None:
+        """The decode we asked sent its staging area: take it on the setup thread (its
+        messages meanwhile wait, so that no staged request overtakes it); or why it has
+        none, and its rooms go direct."""
+        peers = self.ctx.peers
+        with peers.lock:
+            peer = peers.accepted.get(msg.agent_name)
+        if peer is None or not peer.wants_staging or peer.endpoint != (msg.ip, msg.port):
+            self.ctx.reject("unexpected", f"StagingOffer not asked for from {msg.agent_name}")
+            return
+        if msg.staging is None:
+            logger.warning(
+                "sgl-nixl: decode %s has no staging area (%s); its rooms go direct",
+                msg.agent_name,
+                msg.reason,
+            )
+            with peers.lock:
+                peer.wants_staging = False  # chunks that wait for its slots go at SLOT_WAIT
+            return
+        self.setting_up[msg.agent_name] = peer.endpoint
+        self.setup.submit(msg, lambda: self._take_offer(msg, peer))
+
+    def _take_offer(self, msg: StagingOffer, peer: DecodePeer) -> RemoteStaging:
+        """On the setup thread: the decode's NIXL metadata again (it now covers the staging
+        buffer; the link's lists stay valid), and the warm-up WRITE into its spare."""
+        ctx = self.ctx
+        assert msg.staging is not None
+        if ctx.engine.agent.add_peer(msg.agent_metadata) != peer.link.name:
+            raise TransferError("its NIXL metadata names another agent")
+        area = remote_staging(msg.staging)
+        if ctx.settings.warmup and ctx.staging is not None:
+            try:
+                bound = ctx.settings.warmup_timeout_s
+                ctx.engine.warm_staging(peer.link, ctx.staging, area, bound)
+            except TransferError as exc:
+                logger.warning("sgl-nixl: decode %s: staging %s", msg.agent_name, exc)
+        return area
+
+    def _offer_taken(self, msg: StagingOffer, result: Any) -> None:
+        """Control thread: the decode's rooms may stage from now on (or still go direct)."""
+        self.setting_up.pop(msg.agent_name, None)
+        with self.ctx.peers.lock:
+            peer = self.ctx.peers.accepted.get(msg.agent_name)
+            if peer is None or peer.endpoint != (msg.ip, msg.port):
+                return
+            if isinstance(result, RemoteStaging):
+                peer.staging = result
+            else:
+                peer.wants_staging = False
+        if not isinstance(result, RemoteStaging):
+            logger.warning(
+                "sgl-nixl: decode %s: its staging area cannot be used (%r); its rooms go direct",
+                msg.agent_name,
+                result,
+            )
+            return
+        logger.info(
+            "sgl-nixl: decode %s: staged transfers into its %d MiB staging area",
+            msg.agent_name,
+            msg.staging.region.length >> 20 if msg.staging is not None else 0,
         )
 
     def _warm(
@@ -372,15 +467,18 @@ def _stage_note(stage: PrefillStage, reg: PeerRegistration) -> str:
 
 
 def _remote_staging(reg: PeerRegistration) -> RemoteStaging | None:
-    """The decode's staging area as this prefill writes it (None: it has none)."""
-    if reg.staging is None:
-        return None
-    r = reg.staging.region
+    """The staging area an older decode sends in its registration (None: none there)."""
+    return remote_staging(reg.staging) if reg.staging is not None else None
+
+
+def remote_staging(area: StagingArea) -> RemoteStaging:
+    """A decode's staging area as this prefill writes it."""
+    r = area.region
     return RemoteStaging(
         r.ptr,
-        reg.staging.slot_bytes,
+        area.slot_bytes,
         r.device,
         r.mem_kind,
-        reg.staging.device_uuid,
-        spare_of(r.ptr, r.length, reg.staging.slot_bytes),
+        area.device_uuid,
+        spare_of(r.ptr, r.length, area.slot_bytes),
     )

@@ -20,7 +20,6 @@ from sgl_nixl_plugin.sides.decode_policy import DecodePolicy
 from sgl_nixl_plugin.sides.decode_staging import SUCCESS, DecodeStaging
 from sgl_nixl_plugin.sides.decode_warmup import StartupRegistration
 from sgl_nixl_plugin.transport import bootstrap_client
-from sgl_nixl_plugin.wire.messages import StagingArea
 
 Endpoint = tuple[str, int]
 
@@ -67,16 +66,14 @@ class DecodeSide:
         )
         self.startup.start()
 
-    def staging_area(self) -> StagingArea | None:
-        return self.ctx.staging.area() if self.ctx.staging is not None else None
-
     def request(
         self, room: int, pages: np.ndarray, staged: bool, dummy: bool = False, host: bool = False
     ) -> tuple[list[int], bool, tuple[int, int] | None]:
         """One transfer request of ``room`` is being built, to the prefill rank next in
         SGLang's ``bootstrap_infos`` order: (the slots granted in it, whether it asks for
         staged pieces, its completion flag). A rank that writes our device pages in one
-        pass gets no slots, and a flag word if it mapped our board."""
+        pass gets no slots, and a flag word if it mapped our board; one that declined our
+        staging area none either (``StagingOffers``)."""
         target = self.ctx.rooms.next_target(room)
         if dummy:
             return [], False, None
@@ -85,9 +82,10 @@ class DecodeSide:
         if not host and target in self.ctx.one_pass:
             staged = False
             flag = self._take_flag(room, target)
-        if not staged or self.ctx.staging is None:
+        staging = self.ctx.staging
+        if not staged or staging is None or not staging.offers.stages_to(target):
             return [], False, flag
-        grant = self.ctx.staging.grant
+        grant = staging.grant
         return grant(room, pages, target, self.ctx.sglang.senders_of(room)), True, flag
 
     def _take_flag(self, room: int, target: Endpoint | None) -> tuple[int, int] | None:
@@ -182,6 +180,9 @@ class DecodeSide:
     def sizes(self) -> dict[str, int]:
         out = {f"decode.{k}": v for k, v in self.ctx.rooms.sizes().items()}
         out.update({f"count.staging.{k}": v for k, v in asdict(self.ctx.rooms.counters).items()})
+        if self.ctx.staging is not None:
+            out.update(self.ctx.staging.memory.counts())
+            out["count.staging.offers"] = self.ctx.staging.offers.sent
         if self.ctx.warmup is not None:
             out["count.warmed_prefills"] = self.ctx.warmup.warmed()
             out["count.warmup_routes_reused"] = self.ctx.warmup.routes_reused

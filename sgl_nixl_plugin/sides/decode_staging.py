@@ -23,14 +23,13 @@ from sgl_nixl_plugin.engine.scatter_queue import ScatterQueue
 from sgl_nixl_plugin.engine.staging import StagingBuffer, unit_indices_of
 from sgl_nixl_plugin.protocol.decode_rooms import DecodeRooms, Grant, Recall
 from sgl_nixl_plugin.protocol.slot_table import Endpoint
+from sgl_nixl_plugin.sides.staging_offers import StagingOffers
 from sgl_nixl_plugin.wire.messages import (
     AbortAck,
     PieceDone,
     PieceReady,
-    Region,
     SlotGrant,
     SlotRecall,
-    StagingArea,
     TransferStatus,
 )
 
@@ -82,7 +81,8 @@ class SlotMessenger:
 
 
 class DecodeStaging:
-    """The decode's staging buffer, its copier and its scatter threads.
+    """The decode's staging buffer (allocated when a prefill first asks: ``offers``), its
+    copier and its scatter threads.
 
     ``apply_status`` and ``note_abort_ack`` are called on the completer thread once the
     pieces queued before the status have been scattered; ``reject(reason, detail, peer)``
@@ -96,7 +96,7 @@ class DecodeStaging:
         kv: Any,
         rooms: DecodeRooms,
         host_kv: Any = None,
-        buffer: StagingBuffer,
+        offers: StagingOffers,
         device: int,
         messenger: SlotMessenger,
         apply_status: Callable[[TransferStatus], None],
@@ -105,7 +105,8 @@ class DecodeStaging:
         fail_room: Callable[[int, str], None],
         page_size: int = 1,
     ) -> None:
-        self.buffer = buffer
+        self.offers = offers
+        self.memory = offers.memory
         self.page_size = page_size  # tokens a page: numbers token rows for by-token pieces
         self.rooms = rooms
         self.device = device
@@ -139,6 +140,14 @@ class DecodeStaging:
         )
 
     @property
+    def buffer(self) -> StagingBuffer:
+        """The allocated buffer: only pieces into granted slots use it, and slots are
+        granted once it is there."""
+        buffer = self.memory.buffer
+        assert buffer is not None, "staging slot used before the buffer was allocated"
+        return buffer
+
+    @property
     def host_capable(self) -> bool:
         """Pieces of host rooms can be scattered into the host pool (after ``start``)."""
         return self._host_bases_dev is not None
@@ -146,8 +155,8 @@ class DecodeStaging:
     def start(self) -> None:
         from sgl_nixl_plugin.engine.copy_kernels import make_copier
 
-        self.copier = make_copier(self.buffer.mem_kind, self.device)
-        if self.buffer.mem_kind == "VRAM":
+        self.copier = make_copier(self.memory.mem_kind, self.device)
+        if self.memory.mem_kind == "VRAM":
             import torch
 
             self.stream = torch.cuda.Stream(device=self.device)
@@ -170,17 +179,14 @@ class DecodeStaging:
         if self.scatters is not None:
             self.scatters.wake()
 
-    def area(self) -> StagingArea:
-        b = self.buffer
-        region = Region(b.ptr, b.nbytes, b.slot_bytes, b.device, b.mem_kind)
-        return StagingArea(region, b.slot_bytes, b.device_uuid)
-
     def grant(
         self, room: int, pages: np.ndarray, sender: Endpoint | None, senders: int
     ) -> list[int]:
-        """Slots for one sender's transfer request; the room's page numbers are uploaded
-        while the prefill still computes."""
-        slots, fresh = self.rooms.grant(room, pages, sender, senders)
+        """Slots for one sender's transfer request (none to a rank our staging area has
+        not gone to yet: a grant must not overtake it); the room's page numbers are
+        uploaded while the prefill still computes."""
+        now = sender is not None and sender in self.offers.offered
+        slots, fresh = self.rooms.grant(room, pages, sender, senders, now)
         if fresh:
             self._queue.put(_Prepare(room))
         return slots

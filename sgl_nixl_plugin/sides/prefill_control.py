@@ -28,6 +28,7 @@ from sgl_nixl_plugin.wire.messages import (
     Pong,
     SlotGrant,
     SlotRecall,
+    StagingOffer,
     TransferRequest,
 )
 
@@ -186,6 +187,8 @@ class PrefillControl(ControlLoop):
             self.watch.replied((msg.ip, msg.port))  # a decode we ping for its pending rooms
         elif isinstance(msg, ForeignRegistration):
             self.registrations.on_foreign(msg)
+        elif isinstance(msg, StagingOffer):
+            self.registrations.on_staging_offer(msg)
         else:
             ctx.reject("unexpected", type(msg).__name__)
 

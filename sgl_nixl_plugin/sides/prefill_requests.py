@@ -90,7 +90,7 @@ def file_request(
         ctx.reject("duplicate_request", f"room {room}", req.agent_name)
         return
     rec = ctx.rooms.open(room)  # the room's record: from its first destination
-    if req.staged and not req.is_dummy and peer.staging is not None:
+    if req.staged and not req.is_dummy and peer.staging_slot_bytes:
         rec.credits[req.agent_name] = SlotCredits(req.staging_slots)
     if req.decode_prefix_len:
         sg.set_decode_prefix_len(room, req.decode_prefix_len)

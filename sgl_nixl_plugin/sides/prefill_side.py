@@ -68,6 +68,11 @@ class PrefillSide:
             1 for p in self.ctx.peers.accepted.values() if p.link.one_pass is not None
         )
         out["count.staging.fell_back"] = self.ctx.fallbacks
+        if self.ctx.staging_memory is not None:
+            out.update(self.ctx.staging_memory.counts())
+        out["count.staging.peers"] = sum(
+            1 for p in self.ctx.peers.accepted.values() if p.staging is not None
+        )
         out["count.warmups"] = self.ctx.warmups
         out["count.host_warmups"] = self.ctx.host_warmups
         out["count.light_warmups"] = self.ctx.light_warmups

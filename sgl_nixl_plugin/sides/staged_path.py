@@ -113,7 +113,8 @@ class StagedPath:
         staging = ctx.staging
         local = g.local_regions if g and g.local_regions else ctx.engine.memory.kv
         unit_len = staging_unit_len(local, g.geometry) if g else None
-        slot = min(staging.slot_bytes, peer.staging.slot_bytes) if staging and peer.staging else 0
+        theirs = peer.staging_slot_bytes  # its area may still be on its way: slots come after
+        slot = min(staging.slot_bytes, theirs) if staging and theirs else 0
         possible = bool(g and credits is not None and unit_len and unit_len <= slot and len(src))
         n = len(src)
         mode = ctx.settings.transfer_path
@@ -131,11 +132,11 @@ class StagedPath:
         if path != "staging":
             return None
         assert g is not None and credits is not None and staging is not None and unit_len
-        assert peer.staging is not None
         geo = g.geometry
         units = unit_indices_of(src, geo)
         self._ask_slots(rec.room, info, credits)
-        same_device = bool(staging.device_uuid) and staging.device_uuid == peer.staging.device_uuid
+        theirs_uuid = peer.staging.device_uuid if peer.staging is not None else ""
+        same_device = bool(staging.device_uuid) and staging.device_uuid == theirs_uuid
         if same_device:
             _hint_mps(rec.room)
         send = StagedSend(
@@ -143,6 +144,7 @@ class StagedPath:
             copier=ctx.copier,
             local=staging,
             remote=peer.staging,
+            remote_of=lambda: peer.staging,
             peer=peer.link.name,
             src_bases=np.asarray(ctx.engine.memory.kv.ptrs, dtype=np.uint64)[: g.num_regions],
             units=units,

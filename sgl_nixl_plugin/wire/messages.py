@@ -124,6 +124,11 @@ class PeerRegistration(msgspec.Struct, frozen=True, tag="reg"):
     # a few bytes of the decode's host memory that only prefills' warm-ups write: the
     # host-to-host WRITE of aux rows is warmed there (None: older release, or no host aux)
     scratch: Region | None = None
+    # the decode allocates its staging area, in slots of this many bytes, when a prefill
+    # rank asks for it (``RegistrationReply.wants_staging``) and sends it in a
+    # ``StagingOffer``; ``staging`` is then None. 0: none on request (an older release
+    # sends its area, if any, in ``staging``)
+    staging_slot_bytes: NonNeg = 0
 
 
 class RegistrationReply(msgspec.Struct, frozen=True, tag="reg_reply"):
@@ -153,6 +158,23 @@ class RegistrationReply(msgspec.Struct, frozen=True, tag="reg_reply"):
     # it also mapped the decode's flag board (``CudaIpc.flag_board``): the decode may give
     # its one-pass rooms a flag word (``TransferRequest.done_flag``)
     done_flags: bool = False
+    # this prefill rank may stage into the decode: a decode that registered with
+    # ``staging_slot_bytes`` sends it its staging area (``StagingOffer``)
+    wants_staging: bool = False
+
+
+class StagingOffer(msgspec.Struct, frozen=True, tag="staging"):
+    """Decode rank -> prefill rank that asked (``RegistrationReply.wants_staging``): the
+    staging area it allocated for the staged path, with its NIXL metadata again (which
+    now covers that buffer); ``staging`` None: it could not allocate one (``reason``), and
+    the prefill writes it direct. Sent before any request that stages to that rank."""
+
+    agent_name: Name
+    ip: Name
+    port: Port
+    agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_METADATA)] = b""
+    staging: StagingArea | None = None
+    reason: Reason = ""
 
 
 class IndexSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -332,6 +354,7 @@ Message = (
     | RegistrationReply
     | TransferRequest
     | TransferStatus
+    | StagingOffer
     | PieceReady
     | PieceDone
     | SlotAsk

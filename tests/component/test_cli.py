@@ -194,8 +194,10 @@ def test_doctor_says_how_much_memory_staging_holds_per_rank(
         monkeypatch.setenv(k, v)
     (row,) = doctor.check_staging_memory(doctor.DoctorContext())
     assert row.status == "ok"
-    assert row.detail.startswith(f"{vram} of GPU memory on each rank"), row.detail
+    assert row.detail.startswith("0 MiB at start-up; "), row.detail
+    assert f"up to {vram} of GPU memory on each rank" in row.detail
     assert f"{dram} of host memory" in row.detail
+    assert "when a peer first needs the staged path" in row.detail
     assert doctor.check_staging_memory in doctor.CHECKS
 
 

@@ -181,7 +181,9 @@ def test_pd_tp_mismatch_senders_share_a_rooms_slots() -> None:
         "SGLANG_NIXL_PLUGIN_STAGING_PIECE_BYTES": str(16 << 10),
     }
     w = workload("tiny", 16, requests=6, concurrency=1, min_tokens=64, max_tokens=160)
-    res = run_pd(w, prefill_tp=4, decode_tp=1, env=env)
+    # the decode names its prefills: its staging area is allocated and offered to each
+    # rank before the first request (learned from a request, that room's senders ask)
+    res = run_pd(w, prefill_tp=4, decode_tp=1, env=env, preconnect=True)
     assert_clean(res)
     decode = res.decode[(0, 0)]["tables"]
     assert decode["count.staging.asks"] == 0, decode
@@ -239,7 +241,7 @@ def test_pd_slots_granted_to_a_room_not_ready_are_recalled_for_one_that_is() -> 
         chunks=(1,),
         send_delays_ms=(400.0, 0.0),
     )
-    res = run_pd(w, env=env)
+    res = run_pd(w, env=env, preconnect=True)  # staging offered before the first room
     assert_clean(res)
     decode = res.decode[(0, 0)]["tables"]
     prefill = res.prefill[(0, 0)]["tables"]

@@ -6,9 +6,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from sgl_nixl_plugin.engine.staging import StagingBuffer
+from sgl_nixl_plugin.engine.staging_memory import LazyStaging
 from sgl_nixl_plugin.protocol.decode_rooms import DecodeRooms
 from sgl_nixl_plugin.sides.decode_staging import DecodeStaging, SlotMessenger
+from sgl_nixl_plugin.sides.staging_offers import StagingOffers
 from sgl_nixl_plugin.wire.messages import PieceReady
 
 P5 = ("127.0.0.1", 5)
@@ -28,14 +29,17 @@ class _Scatters:
 
 
 def _staging():
-    rooms = DecodeRooms(4)
-    buffer = StagingBuffer(_Agent(), 4096, 1024, "DRAM")
+    rooms = DecodeRooms()
+    memory = LazyStaging(_Agent(), 4096, 1024, "DRAM")
+    offers = StagingOffers(memory, rooms, lambda ep, m: True, ("decode", "h", 1), lambda: b"")
+    offers.offer(P5)  # a prefill asked: allocated (4 slots) on the offers' thread
+    assert offers.wait(10) and memory.buffer is not None and len(rooms.slots) == 4
     rejected, failed = [], []
     st = DecodeStaging(
         agent=_Agent(),
         kv=SimpleNamespace(ptrs=[1 << 20], lens=[1 << 20], item_lens=[4096]),
         rooms=rooms,
-        buffer=buffer,
+        offers=offers,
         device=0,
         messenger=SlotMessenger("decode", lambda ep, m: None),
         apply_status=lambda m: None,

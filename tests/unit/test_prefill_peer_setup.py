@@ -113,6 +113,8 @@ def prefill() -> Iterator[tuple[PrefillControl, Any, list[tuple[str, Any]], list
                 check_aux_count=lambda agent, n: None, rooms_with_destinations=lambda: []
             ),
             staging=None,
+            staging_memory=None,
+            device_uuid="",
             copier=None,
             copy_stream=None,
             gpu=0,

@@ -54,6 +54,7 @@ from sgl_nixl_plugin.wire.messages import (
     SlotRecall,
     SlotReturn,
     StagingArea,
+    StagingOffer,
     TransferRequest,
     TransferStatus,
 )
@@ -122,6 +123,7 @@ peer_registrations = st.builds(
     aux=st.lists(regions, max_size=4),
     state=st.lists(st.lists(regions, max_size=3), max_size=3),
     staging=stagings,
+    staging_slot_bytes=nonneg,
     scratch=st.none() | regions,
     ipc=st.none()
     | st.builds(
@@ -146,6 +148,16 @@ registration_replies = st.builds(
     ip=names,
     port=ports,
     retry=st.booleans(),
+    wants_staging=st.booleans(),
+)
+staging_offers = st.builds(
+    StagingOffer,
+    agent_name=names,
+    ip=names,
+    port=ports,
+    agent_metadata=st.binary(max_size=2048),
+    staging=stagings,
+    reason=reasons,
 )
 transfer_statuses = st.builds(
     TransferStatus,
@@ -249,6 +261,7 @@ messages_with_arrays = st.one_of(
         slot_grants,
         slot_returns,
         slot_recalls,
+        staging_offers,
     ).map(lambda m: (m, [])),
 )
 
@@ -269,6 +282,7 @@ def test_strategies_cover_the_whole_union():
         SlotGrant,
         SlotReturn,
         SlotRecall,
+        StagingOffer,
     }
     assert covered == set(MESSAGE_TYPES)
 
@@ -908,6 +922,7 @@ def test_a_refusal_in_the_peers_version_reads_as_a_refusal_there():
         "kv_window",  # optional, after the frozen fields: older releases ignore it
         "one_pass",  # likewise
         "done_flags",  # likewise
+        "wants_staging",  # likewise
     }
     got = Codec().decode(frames)
     assert isinstance(got.msg, ForeignReply) and not got.msg.accepted and got.msg.version == 2
@@ -917,7 +932,14 @@ def test_a_refusal_in_the_peers_version_reads_as_a_refusal_there():
 @pytest.mark.parametrize("length", [0, 63, 65])
 def test_an_ipc_handle_of_any_other_length_than_64_bytes_is_refused(length):
     """A CUDA IPC handle is 64 bytes: anything else never reaches cudaIpcOpenMemHandle."""
-    reg = PeerRegistration(
+    reg = _small_registration(
+        ipc=CudaIpc(host="h", device_uuid="u", pid=1, blocks=[IpcBlock(b"x" * length, 0, 1)]),
+    )
+    _only_rejection(Codec(), Codec().encode(reg), "malformed")
+
+
+def _small_registration(**kw) -> PeerRegistration:
+    return PeerRegistration(
         compat=Compat(PROTOCOL_VERSION, "bf16", 16, 2, False),
         compat_hash="h",
         agent_name="d",
@@ -928,6 +950,21 @@ def test_an_ipc_handle_of_any_other_length_than_64_bytes_is_refused(length):
         tp_size=1,
         kv=[],
         aux=[],
-        ipc=CudaIpc(host="h", device_uuid="u", pid=1, blocks=[IpcBlock(b"x" * length, 0, 1)]),
+        **kw,
     )
-    _only_rejection(Codec(), Codec().encode(reg), "malformed")
+
+
+def test_lazy_staging_fields_pass_between_releases():
+    """Same protocol version, older release: a registration or reply without the lazy
+    staging fields reads as "not on request" / "does not ask", and an older release's
+    decoder (a struct without them: ``ForeignReply`` has a reply's frozen fields) reads
+    ours, ignoring them."""
+    reply = RegistrationReply("dec", 0, True, "", "127.0.0.1", 7, wants_staging=True)
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(reply), type=ForeignReply)
+    assert old.accepted and old.port == 7
+    plain = msgspec.msgpack.encode(ForeignReply("dec", 0, True, "", "127.0.0.1"))
+    assert msgspec.msgpack.decode(plain, type=RegistrationReply).wants_staging is False
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(_small_registration()))
+    raw.pop("staging_slot_bytes")  # what an older release sends
+    old_reg = msgspec.msgpack.decode(msgspec.msgpack.encode(raw), type=PeerRegistration)
+    assert old_reg.staging_slot_bytes == 0 and old_reg.staging is None

@@ -43,7 +43,9 @@ def _reply(fake, one_pass: bool) -> None:
     side = fake.cluster.decode.decode
     fake.send(
         fake.cluster.decode.rank_port,
-        RegistrationReply("decode", 0, True, "", fake.ip, fake.port, one_pass=one_pass),
+        RegistrationReply(
+            "decode", 0, True, "", fake.ip, fake.port, one_pass=one_pass, wants_staging=not one_pass
+        ),
     )
     ep = (fake.ip, fake.port)
     wait_for(lambda: (ep in side.ctx.one_pass) == one_pass, 5, f"one_pass={one_pass} noted")
@@ -58,7 +60,8 @@ def test_a_one_pass_prefill_gets_no_staging_slots(cluster, rooms, fake_rank) -> 
     ep = (fake.ip, fake.port)
 
     staged = _request_to(cluster, rooms(), ep)
-    assert staged.staged and staged.staging_slots, staged  # no reply yet: staged as before
+    # no reply yet: staged as before, its slots by asking once our staging area went to it
+    assert staged.staged and staged.staging_slots == [], staged
 
     _reply(fake, one_pass=True)
     room = rooms()
@@ -66,7 +69,8 @@ def test_a_one_pass_prefill_gets_no_staging_slots(cluster, rooms, fake_rank) -> 
     assert not req.staged and req.staging_slots == [], req
     assert not cluster.decode.decode.ctx.rooms.is_staged(room)
 
-    _reply(fake, one_pass=False)  # it registered again without the mapping
+    _reply(fake, one_pass=False)  # it registered again without the mapping: it stages
+    wait_for(lambda: ep in side.staging.offers.offered, 5, "staging area offered")
     again = _request_to(cluster, rooms(), ep)
     assert again.staged, again  # its slots come now or by asking (the first room holds some)
 
