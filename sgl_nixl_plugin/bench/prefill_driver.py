@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ from sgl_nixl_plugin.registry import hookimpl
 from sgl_nixl_plugin.registry import manager as registry
 
 logger = logging.getLogger("sgl_nixl_plugin.bench")
+REPORT_WAIT_S = 10.0  # for the last rooms' TransferEvents, once every room was seen ended
 
 
 class Collector:
@@ -36,10 +38,21 @@ class Collector:
 
     def __init__(self) -> None:
         self.events: dict[int, Any] = {}
+        self._arrived = threading.Condition()
 
     @hookimpl
     def sgl_nixl_transfer_done(self, event: Any) -> None:
-        self.events[event.room] = event
+        with self._arrived:
+            self.events[event.room] = event
+            self._arrived.notify_all()
+
+    def wait_for(self, rooms: set[int], timeout_s: float) -> set[int]:
+        """Wait until each of ``rooms`` has its event (the worker reports a room just after
+        the status SGLang's poll showed, and a starved worker later still); the rooms still
+        without one when ``timeout_s`` ran out."""
+        with self._arrived:
+            self._arrived.wait_for(lambda: rooms <= self.events.keys(), timeout_s)
+            return rooms - self.events.keys()
 
 
 @dataclass
@@ -250,6 +263,12 @@ class PrefillDriver(SideDriver):
     def attach_reports(self) -> None:
         """Each room's report from the manager (it may come just after the status the
         loop saw): its descriptors, path and ``TransferEvent.timeline``."""
+        ok = {room for room, res in self.results.items() if res.get("ok")}
+        late = self.collector.wait_for(ok, REPORT_WAIT_S)
+        if late:
+            logger.warning(
+                "bench: no TransferEvent for rooms %s after %ss", sorted(late), REPORT_WAIT_S
+            )
         for room, res in self.results.items():
             ev = self.collector.events.get(room)
             res["descriptors"] = getattr(ev, "descriptors", None)
