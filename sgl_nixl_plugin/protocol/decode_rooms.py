@@ -71,6 +71,18 @@ class DecodeRoom:
     # for the room (freed when it closes), and the (word, value, prefill rank) not yet seen
     flag_words: list[int] = field(default_factory=list)
     flags_due: list[tuple[int, int, int]] = field(default_factory=list)
+    # its direct senders put a note on each WRITE (``wire.notes``): prefill rank -> [notes
+    # seen, how many it owes (0: not told yet)]; ``noting`` until one rank's notes add up
+    noting: bool = False
+    notes: dict[int, list[int]] = field(default_factory=dict)
+
+    def count_note(self, rank: int, total: int) -> bool:
+        """One of ``rank``'s notes landed (``total``: the count it carried); whether that
+        rank's WRITEs have now all landed."""
+        got = self.notes.setdefault(rank, [0, 0])
+        got[0] += 1
+        got[1] = total or got[1]
+        return got[0] == got[1]
 
     def undrained(self) -> set[Endpoint]:
         """Prefill ranks that may still write into this room's pages."""
