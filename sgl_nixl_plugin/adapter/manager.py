@@ -401,7 +401,9 @@ class NixlPluginKVManager(CommonKVManager):
             and len(kv) > 0
             and (not host or staging.host_capable)
         )
-        slots, staged, flag = self.decode.request(bootstrap_room, kv, staged, bool(is_dummy), host)
+        slots, staged, flag, notes = self.decode.request(
+            bootstrap_room, kv, staged, bool(is_dummy), host
+        )
         req = TransferRequest(
             room=bootstrap_room,
             agent_name=self.engine.name,
@@ -417,6 +419,7 @@ class NixlPluginKVManager(CommonKVManager):
             host=host,
             done_flag=flag[0] if flag is not None else -1,
             done_value=flag[1] if flag is not None else 0,
+            notes=notes,
         )
         return self.codec.encode(req, [kv, *state])
 

@@ -38,10 +38,11 @@ class NixlPluginKVReceiver(CommonKVReceiver):
 
     def poll(self) -> KVPoll:
         """SGLang's poll, after applying completion flags its one-pass prefill ranks stored
-        (``DecodeSide.check_flags``): the scheduler polls every loop, so the room ends
-        as its copy ends."""
+        (``DecodeSide.check_flags``) and the notes on its direct WRITEs (``check_notes``):
+        the scheduler polls every loop, so the room ends as its copy or last WRITE ends."""
         if self.conclude_state is None:
             self.kv_mgr.decode.check_flags(self.bootstrap_room)
+            self.kv_mgr.decode.check_notes(self.bootstrap_room)
         return super().poll()
 
     @property

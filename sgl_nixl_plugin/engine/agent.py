@@ -21,6 +21,8 @@ from sgl_nixl_plugin.engine.layout import RegionSet
 
 logger = logging.getLogger(__name__)
 
+#: Notifications ``progress`` keeps per peer until ``notifications`` reads them.
+MAX_KEPT_NOTIFS = 4096
 #: Backends whose plugin accepts a ``num_threads`` init parameter.
 _THREADED_BACKENDS = ("UCX", "LIBFABRIC", "OBJ")
 
@@ -100,6 +102,7 @@ class Agent:
         self._xfers: set[Any] = set()
         self._peers: set[str] = set()
         self._pending_notifs: dict[str, list[bytes]] = {}
+        self._notifs_lock = threading.Lock()  # the listener's progress, the scheduler's poll
         self._zombies: list[Any] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -288,20 +291,26 @@ class Agent:
 
     # -- notifications ------------------------------------------------------------------
     def notifications(self) -> dict[str, list[bytes]]:
-        new = self._nixl.get_new_notifs()
-        if self._pending_notifs:
-            held, self._pending_notifs = self._pending_notifs, {}
-            for peer, msgs in new.items():
-                held.setdefault(peer, []).extend(msgs)
-            return held
-        return new
+        """Notifications that arrived (peer -> messages), those ``progress`` kept first."""
+        with self._notifs_lock:
+            new = self._nixl.get_new_notifs()
+            if self._pending_notifs:
+                held, self._pending_notifs = self._pending_notifs, {}
+                for peer, msgs in new.items():
+                    held.setdefault(peer, []).extend(msgs)
+                return held
+            return new
 
     def progress(self) -> None:
         """Drive the backend once (a target needs this for two-sided transports such as
-        UCX over TCP). Notifications that arrive are kept for ``notifications``."""
+        UCX over TCP). Notifications that arrive are kept for ``notifications``, the
+        newest ``MAX_KEPT_NOTIFS`` of each peer (nobody may be reading them)."""
         try:
-            for peer, msgs in self._nixl.get_new_notifs().items():
-                self._pending_notifs.setdefault(peer, []).extend(msgs)
+            with self._notifs_lock:
+                for peer, msgs in self._nixl.get_new_notifs().items():
+                    kept = self._pending_notifs.setdefault(peer, [])
+                    kept.extend(msgs)
+                    del kept[:-MAX_KEPT_NOTIFS]
         except Exception as exc:
             logger.debug("sgl-nixl: progress: %s", exc)
 

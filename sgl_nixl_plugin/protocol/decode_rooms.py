@@ -78,6 +78,10 @@ class DecodeRoom(DecodeMachine):
     # for the room (freed when it closes), and the (word, value, prefill rank) not yet seen
     flag_words: list[int] = field(default_factory=list)
     flags_due: list[tuple[int, int, int]] = field(default_factory=list)
+    # its direct senders put a note on each WRITE (``wire.notes``): prefill rank -> [notes
+    # seen, how many it owes (0: not told yet)]; ``noting`` until one rank's notes add up
+    noting: bool = False
+    notes: dict[int, list[int]] = field(default_factory=dict)
 
     def timeline(self, ended: float) -> dict[str, float]:
         """Milliseconds: request sent to the first staged piece, to the last prefill status,

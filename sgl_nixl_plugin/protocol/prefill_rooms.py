@@ -47,6 +47,7 @@ class TransferInfo:
     # value to store there once every byte landed
     done_flag: int = -1
     done_value: int = 0
+    notes: bool = False  # the decode counts the notes on this room's direct WRITEs
 
     @property
     def groups(self) -> str:
@@ -98,6 +99,9 @@ class PrefillRoom(RoomMachine):
     # decode agent -> (its one-pass link, flag word, value): stored once nothing but the
     # room's copies is in flight (its aux rows and state landed)
     flags_due: dict[str, tuple[Any, int, int]] = field(default_factory=dict)
+    # decode agent -> direct WRITEs of the room posted to it with a note (``wire.notes``)
+    notes: dict[str, int] = field(default_factory=dict)
+    staged_to: set[str] = field(default_factory=set)  # decode agents sent a staged chunk
 
     def note_post(self) -> None:
         self.last_post_at = time.perf_counter()

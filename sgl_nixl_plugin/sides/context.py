@@ -179,3 +179,4 @@ class DecodeContext(SideBase):
     flag_ranks: dict[Endpoint, int] = field(default_factory=dict)
     flags_given: int = 0  # flag words handed out in transfer requests
     flag_hits: int = 0  # of those, seen stored (the sender's Success applied from it)
+    note_hits: int = 0  # prefill ranks' Successes applied from their WRITEs' notes

@@ -84,6 +84,7 @@ def file_request(
             host=req.host,
             done_flag=req.done_flag,
             done_value=req.done_value,
+            notes=req.notes,
         )
     )
     if count is None:

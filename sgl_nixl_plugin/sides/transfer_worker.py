@@ -41,6 +41,7 @@ from sgl_nixl_plugin.protocol.prefill_machine import (
 from sgl_nixl_plugin.protocol.prefill_rooms import Chunk, PrefillRoom, TransferInfo
 from sgl_nixl_plugin.sides.context import PrefillContext
 from sgl_nixl_plugin.sides.staged_path import StagedPath
+from sgl_nixl_plugin.wire.notes import encode_note
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ class TransferWorker:
         peer = ctx.peers.get(info.agent)
         if peer is None:
             raise TransferError(f"decode {info.agent} is no longer connected")
-        engine, link = ctx.engine, peer.link
+        link = peer.link
         group = f"{info.groups}kv"
         g = link.groups.get(group)
         src, dst, first = chunk.pages, info.dst_pages[chunk.index_slice], chunk.index_slice.start
@@ -207,6 +208,7 @@ class TransferWorker:
         # each transfer is tracked as soon as it is posted: should a later post raise,
         # the room still waits for (and releases) what is in flight
         rec.peers.add(info.agent)
+        tail = self._tail_writes(chunk, info) if chunk.is_last and rec.phase.sends else []
         if self._takes_one_pass(info, peer, src):
             self._track(rec, self._one_pass(rec, info, peer, src, dst))
             rec.path = "ipc"
@@ -216,13 +218,14 @@ class TransferWorker:
             job = self.staged.job_for(rec, info, peer, src, dst, first)
             if job is not None:
                 rec.jobs.append(job)
+                rec.staged_to.add(info.agent)  # its pieces await a scatter: no note count
                 self._feed(rec, Posted())  # the job, until it ends
                 rec.path = "staging"
                 self.staged.step(rec)  # first gather now, ahead of the aux and state WRITEs
             else:
-                self._track(rec, engine.write(link, group, src, dst))
+                tail.insert(0, (group, src, dst))
+        self._post(rec, info, link, tail, ends=chunk.is_last)
         if chunk.is_last and rec.phase.sends:
-            self._post_tail(rec, chunk, info, link)
             op = link.one_pass
             if (
                 info.done_flag >= 0
@@ -234,23 +237,51 @@ class TransferWorker:
                     self._feed(rec, Posted())  # the flags owed, until stored or dropped
                 rec.flags_due[info.agent] = (op, info.done_flag, info.done_value)
 
-    def _post_tail(self, rec: PrefillRoom, chunk: Chunk, info: TransferInfo, link: Any) -> None:
-        """Post the room's aux row and state WRITEs (with its last chunk)."""
-        engine = self.ctx.engine
+    @staticmethod
+    def _tail_writes(chunk: Chunk, info: TransferInfo) -> list[Any]:
+        """The room's aux row and state WRITEs (with its last chunk): (group, src, dst)
+        each, a ``TransferError`` in place of one whose indices disagree (raised when its
+        turn to post comes: what went before is in flight and counts)."""
+        writes: list[Any] = []
         if chunk.aux_index is not None and info.aux_index >= 0:
-            self._track(
-                rec,
-                engine.write(link, "aux", np.array([chunk.aux_index]), np.array([info.aux_index])),
-            )
+            writes.append(("aux", np.array([chunk.aux_index]), np.array([info.aux_index])))
         for i, (src, dst_state) in enumerate(zip(chunk.state or [], info.state, strict=False)):
             if src is None or not len(dst_state):
                 continue
             src = np.asarray(src, dtype=np.int64).ravel()
             if len(src) != len(dst_state):
-                raise TransferError(
-                    f"state[{i}]: prefill has {len(src)} indices, decode {len(dst_state)}"
+                writes.append(
+                    TransferError(
+                        f"state[{i}]: prefill has {len(src)} indices, decode {len(dst_state)}"
+                    )
                 )
-            self._track(rec, engine.write(link, f"{info.groups}state{i}", src, dst_state))
+                break
+            writes.append((f"{info.groups}state{i}", src, dst_state))
+        return writes
+
+    def _post(
+        self, rec: PrefillRoom, info: TransferInfo, link: Any, writes: list, ends: bool
+    ) -> None:
+        """Post ``writes`` ((group, src, dst) each) to ``info``'s decode. Where it counts
+        notes (and no copy of the room goes by one pass), each WRITE carries one and, when
+        ``ends`` (the room's last chunk), the last says how many the decode is owed: its
+        scheduler then ends the room as that WRITE lands, not after the status message (a
+        note that does not go, its WRITE not posted, leaves the room to the status)."""
+        engine = self.ctx.engine
+        writes = [w for w in writes if isinstance(w, Exception) or len(w[1])]
+        noted = info.notes and link.one_pass is None
+        ends = ends and not any(isinstance(w, Exception) for w in writes)
+        for i, w in enumerate(writes):
+            if isinstance(w, Exception):
+                raise w
+            if not rec.phase.sends:
+                return
+            note = b""
+            if noted:
+                n = rec.notes[info.agent] = rec.notes.get(info.agent, 0) + 1
+                last = ends and i == len(writes) - 1 and info.agent not in rec.staged_to
+                note = encode_note(rec.room, self.ctx.me.rank, n, n if last else 0)
+            self._track(rec, engine.write(link, *w, notif=note))
 
     def _track(self, rec: PrefillRoom, x: Any) -> None:
         if x is None:

@@ -210,6 +210,9 @@ class TransferRequest(msgspec.Struct, frozen=True, tag="xfer"):
     # ``done_value`` once every byte of the room landed (-1: none; the status still follows)
     done_flag: Annotated[int, msgspec.Meta(ge=-1, lt=FLAG_MAX_SLOTS)] = -1
     done_value: Annotated[int, msgspec.Meta(ge=0, le=0x7FFFFFFF)] = 0
+    # the decode counts this room's NIXL notifications (``wire.notes``): the prefill puts a
+    # note on each of its direct WRITEs of the room (an older prefill ignores the field)
+    notes: bool = False
 
 
 class TransferStatus(msgspec.Struct, frozen=True, tag="status"):

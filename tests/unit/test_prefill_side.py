@@ -22,6 +22,7 @@ from sgl_nixl_plugin.sides.staged_path import StagedJob
 from sgl_nixl_plugin.sides.transfer_worker import TransferWorker
 from sgl_nixl_plugin.wire.codec import Codec
 from sgl_nixl_plugin.wire.messages import Abort
+from sgl_nixl_plugin.wire.notes import Note, decode_note
 
 ROOM, AGENT = 41, "decode-0"
 OPEN, FAILED, SUCCESS = 2, 0, 4
@@ -114,12 +115,16 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.posted: list[Xfer] = []
+        self.notes: list[bytes] = []  # each WRITE's notification, in posting order
         self.memory = SimpleNamespace(kv=SimpleNamespace(ptrs=[0], lens=[1 << 20]))
         self.agent = SimpleNamespace(telemetry=lambda x: None, abandon=lambda x: None)
 
-    def write(self, link: Any, group: str, src: np.ndarray, dst: np.ndarray) -> Xfer:
+    def write(
+        self, link: Any, group: str, src: np.ndarray, dst: np.ndarray, notif: bytes = b""
+    ) -> Xfer:
         x = Xfer(handle=None, peer=link.name, nbytes=64 * len(src), descriptors=1)
         self.posted.append(x)
+        self.notes.append(notif)
         return x
 
     def poll(self, x: Xfer) -> str:
@@ -327,7 +332,7 @@ def test_a_staged_chunk_gathers_before_the_aux_and_state_writes_are_posted(side,
 
     real_write = side.engine.write
 
-    def write(link: Any, group: str, src: np.ndarray, dst: np.ndarray) -> Xfer:
+    def write(link: Any, group: str, src: np.ndarray, dst: np.ndarray, notif: bytes = b"") -> Xfer:
         order.append(group)
         return real_write(link, group, src, dst)
 
@@ -702,3 +707,35 @@ def test_a_one_pass_room_stores_its_completion_flag_before_it_concludes(side):
     side.worker.poll()
     assert side.sg.concluded == [(ROOM, "success")] and side.worker.kernels == 0
     _drained(side)
+
+
+# -- notes on direct WRITEs (``wire.notes``) ------------------------------------------------
+
+
+def _noted_room(side, notes: bool, room: int = ROOM) -> None:
+    info = TransferInfo(room, AGENT, "127.0.0.1", 7001, np.arange(4), 3, [], 1, False, notes=notes)
+    side.sg.add_destination(info)
+    side.ctx.rooms.open(room)
+    side.sg.mark_ready(room)
+
+
+def test_a_decode_that_counts_notes_gets_one_per_write_and_the_total_on_the_last(side):
+    """Without the total on the room's last WRITE (the aux row here) the decode would wait
+    for the status message; with it on an earlier one, it would end the room too soon."""
+    _noted_room(side, notes=True)
+    side.worker.submit(_chunk(n=2, last=False))
+    side.worker.submit(Chunk(ROOM, np.arange(2, 4), slice(2, 4), True, 2, None))
+    notes = [decode_note(n) for n in side.engine.notes]
+    assert notes == [Note(ROOM, 0, 1, 0), Note(ROOM, 0, 2, 0), Note(ROOM, 0, 3, 3)]
+
+
+def test_no_notes_for_a_decode_that_does_not_count_them_nor_a_total_after_a_staged_chunk(side):
+    _noted_room(side, notes=False)
+    side.worker.submit(Chunk(ROOM, np.arange(4), slice(0, 4), True, 2, None))
+    assert side.engine.notes == [b"", b""]
+    side.engine.notes.clear()
+    _noted_room(side, notes=True, room=ROOM + 1)
+    side.ctx.rooms.get(ROOM + 1).staged_to.add(AGENT)  # an earlier chunk went staged
+    side.worker.submit(Chunk(ROOM + 1, np.arange(4), slice(0, 4), True, 2, None))
+    got = [decode_note(n) for n in side.engine.notes]
+    assert got == [Note(ROOM + 1, 0, 1, 0), Note(ROOM + 1, 0, 2, 0)]
