@@ -65,6 +65,12 @@ def _flags(res, what: str = "hits") -> int:
     return sum(r.get("tables", {}).get(key, 0) for r in res.decode.values())
 
 
+def _staging_held(res) -> list[int]:
+    """GPU bytes each rank's staging buffer holds (taken at a peer's first staged need)."""
+    ranks = [*res.prefill.values(), *res.decode.values()]
+    return [r.get("tables", {}).get("count.staging.held_bytes", 0) for r in ranks]
+
+
 def _open_after_close(res) -> list[int]:
     return [r.get("ipc_open", 0) for r in res.prefill.values()]
 
@@ -146,6 +152,8 @@ def test_one_pass_writes_every_byte_into_the_decodes_pages(
     # every flag handed out was stored once its room's bytes were there (checked above),
     # and each decode's board has every word back
     assert _flags(res) == _flags(res, "given") > 0, (_flags(res), _flags(res, "given"))
+    # one pass only: no rank took a byte of staging memory
+    assert set(_staging_held(res)) == {0}, _staging_held(res)
 
 
 @needs_gpu
@@ -179,6 +187,8 @@ def test_the_one_pass_path_can_be_forbidden(env: dict) -> None:
     assert_clean(res)
     assert "ipc" not in _paths(res)
     assert _mapped_peers(res) == 0
+    if "staging" in _paths(res):  # the staged path took its GPU buffers at first need
+        assert min(_staging_held(res)) > 0, _staging_held(res)
 
 
 @needs_gpu
