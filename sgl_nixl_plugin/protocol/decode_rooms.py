@@ -40,6 +40,7 @@ from sgl_nixl_plugin.protocol.decode_machine import (
     DecodePhase,
     Effect,
     Event,
+    FreeFlags,
     HostPages,
     NextTarget,
     Opened,
@@ -74,10 +75,6 @@ class DecodeRoom(DecodeMachine):
     recalled: bool = False  # a SlotRecall for it is out and not yet answered
     units: dict[tuple[int, int, int], Any] = field(default_factory=dict)
     times: dict[str, float] = field(default_factory=dict)  # step -> perf_counter (timeline)
-    # one-pass senders' completion flags (``engine.done_flags``): every board word taken
-    # for the room (freed when it closes), and the (word, value, prefill rank) not yet seen
-    flag_words: list[int] = field(default_factory=list)
-    flags_due: list[tuple[int, int, int]] = field(default_factory=list)
 
     def timeline(self, ended: float) -> dict[str, float]:
         """Milliseconds: request sent to the first staged piece, to the last prefill status,
@@ -136,6 +133,8 @@ class DecodeRooms:
         self._waiting: deque[tuple[int, Endpoint]] = deque()  # senders without a slot
         self._next_order = 0
         self.lock = threading.RLock()
+        #: returns a completion-flag word to the decode's board (set once it has one)
+        self.free_flag: Callable[[int], None] | None = None
 
     # -- the machine's events and effects ---------------------------------------------
     def _feed(self, rec: DecodeRoom, event: Event) -> tuple[list[Effect], list[Grant]]:
@@ -146,9 +145,19 @@ class DecodeRooms:
         for effect in effects:
             if isinstance(effect, ReleaseSlots):
                 grants += self._release_slots(rec, effect.failed)
+            elif isinstance(effect, FreeFlags) and self.free_flag is not None:
+                for word in effect.words:  # reused only after every other word
+                    self.free_flag(word)
             elif isinstance(effect, Close):
                 self._close(rec)
         return effects, grants
+
+    def feed(self, room: int, event: Event) -> list[Effect]:
+        """Apply ``event`` to ``room`` while SGLang holds its receiver; the effects this
+        table does not carry out itself (``ApplyStatus``) are the caller's."""
+        with self.lock:
+            rec = self._live(room)
+            return self._feed(rec, event)[0] if rec is not None else []
 
     def _release_slots(self, rec: DecodeRoom, failed: bool) -> list[Grant]:
         room = rec.room
@@ -267,7 +276,8 @@ class DecodeRooms:
         return rec is not None and rec.host
 
     def aborted(self, room: int) -> None:
-        """An abort of ``room`` went to its prefill ranks (their ACKs are due)."""
+        """An abort of ``room`` went to its prefill ranks (a host room's ACKs are due):
+        the room failed, and no prefill status applies any more."""
         with self.lock:
             rec = self._live(room)
             if rec is not None:
