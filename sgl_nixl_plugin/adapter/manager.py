@@ -34,6 +34,7 @@ from sgl_nixl_plugin.protocol.decode_rooms import DecodeRooms
 from sgl_nixl_plugin.protocol.prefill_rooms import Chunk, EarlyAborts
 from sgl_nixl_plugin.registry import manager as registry
 from sgl_nixl_plugin.settings import Settings, prefill_addrs, staging_sizes
+from sgl_nixl_plugin.sides import decode_status
 from sgl_nixl_plugin.sides.context import DecodeContext, Identity, PrefillContext
 from sgl_nixl_plugin.sides.decode_side import DecodeSide
 from sgl_nixl_plugin.sides.decode_staging import DecodeStaging, SlotMessenger
@@ -150,6 +151,8 @@ class NixlPluginKVManager(CommonKVManager):
             # prefill that asks for it gets the new metadata with it: ``StagingOffer``)
             self._ipc_offer, self.decode.ctx.flags = offer_one_pass(self.settings, memory, gpu)
             self._registration_metadata = self.engine.metadata
+            if self.decode.ctx.flags is not None:  # a room's words return at its way out
+                self.decode.ctx.rooms.free_flag = self.decode.ctx.flags.free
             self._start_heartbeat_checker_thread()
         self.side.start()
         if not is_prefill:  # the prefills an operator named: registered as each comes up
@@ -248,10 +251,10 @@ class NixlPluginKVManager(CommonKVManager):
                 offers=offers,
                 device=gpu,
                 messenger=SlotMessenger(self.engine.name, ctx.send),
-                apply_status=lambda m: sg.apply_status(m.room, m.status, m.prefill_rank, m.reason),
+                apply_status=lambda m: decode_status.status_in(ctx, m),
                 note_abort_ack=sg.note_abort_ack,
                 reject=ctx.reject,
-                fail_room=sg.fail,
+                fail_room=lambda room, why: decode_status.fail(ctx, room, why),
                 page_size=self.compat.page_size,
             )
         return ctx

@@ -14,6 +14,7 @@ from typing import Any
 from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
+from sgl_nixl_plugin.sides import decode_status
 from sgl_nixl_plugin.transport import bootstrap_client
 from sgl_nixl_plugin.wire.messages import Abort
 
@@ -32,18 +33,24 @@ class NixlPluginKVReceiver(CommonKVReceiver):
         if not rec.phase.live:  # SGLang's tables are keyed by room id too
             why = f"room {self.bootstrap_room} reused while its host pages still drain"
         if why is not None:
-            side.ctx.sglang.fail(self.bootstrap_room, why)
+            decode_status.fail(side.ctx, self.bootstrap_room, why)
             self.conclude_state = KVPoll.Failed
             side.policy.tell_prefills(self.bootstrap_room, endpoints, why)
 
     def poll(self) -> KVPoll:
         """SGLang's poll, after applying completion flags its one-pass prefill ranks stored
         (``DecodeSide.check_flags``) and the notes on its direct WRITEs (``check_notes``):
-        the scheduler polls every loop, so the room ends as its copy or last WRITE ends."""
-        if self.conclude_state is None:
+        the scheduler polls every loop, so the room ends as its copy or last WRITE ends. A
+        Failed that SGLang set itself (its timeouts) is told to the room's machine here,
+        when first seen: no prefill status applies after it."""
+        open_ = self.conclude_state is None
+        if open_:
             self.kv_mgr.decode.check_flags(self.bootstrap_room)
             self.kv_mgr.decode.check_notes(self.bootstrap_room)
-        return super().poll()
+        status = super().poll()
+        if open_ and status == KVPoll.Failed:
+            decode_status.failed_here(self.kv_mgr.decode.ctx, self.bootstrap_room)
+        return status
 
     @property
     def supports_host_destination(self) -> bool:

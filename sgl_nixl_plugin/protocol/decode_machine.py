@@ -5,7 +5,15 @@ clock, sends, or touches SGLang.
 ``DecodeRooms`` feeds every event under its lock and carries out the effects:
 ``SentTo`` names the prefill rank the transfer request being built goes to,
 ``ReleaseSlots`` returns the room's staging slots (quarantined after a failure) and stops
-its senders waiting, and ``Close`` takes the record out of its table (the one way out).
+its senders waiting, ``ApplyStatus`` is a prefill status SGLang is to see, ``FreeFlags``
+returns the room's completion-flag words, and ``Close`` takes the record out of its table
+(the one way out).
+
+A room's outcome is decided once, here: a prefill rank's Failed applies while the room is
+live and nothing failed it yet (an abort, SGLang's own Failed, an earlier Failed); a
+Success applies once every expected sender reported one, by status or by completion flag,
+and then for all of them at once (SGLang counts them again). After the outcome, or once
+SGLang cleared the room, a status changes nothing.
 
 Phases::
 
@@ -33,6 +41,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 Endpoint = tuple[str, int]
+
+#: ``KVPoll`` values as status messages carry them
+SUCCESS = 4
+FAILED = 0
 
 
 class DecodePhase(enum.Enum):
@@ -120,6 +132,40 @@ class Tick:
 
 
 @dataclass(frozen=True)
+class StatusIn:
+    """Prefill rank ``rank``'s status message (behind the room's scatters); ``expected``:
+    how many senders' Success make the room's (SGLang's count)."""
+
+    rank: int
+    ok: bool
+    reason: str = ""
+    expected: int = 1
+
+
+@dataclass(frozen=True)
+class FlagGiven:
+    """Board word ``word`` (to hold ``value``) went to ``rank`` in a transfer request."""
+
+    word: int
+    value: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class FlagSeen:
+    """``word`` holds its value: its rank's one-pass copy ended, which is its Success."""
+
+    word: int
+    expected: int = 1
+
+
+@dataclass(frozen=True)
+class FailedHere:
+    """SGLang's status of the room became Failed on this side (an abort, its own timeouts,
+    a lost or refusing prefill rank): no prefill status applies any more."""
+
+
+@dataclass(frozen=True)
 class Cleared:
     """SGLang cleared the receiver; ``ok``: its status was Success."""
 
@@ -137,6 +183,10 @@ Event = (
     | AbortAcked
     | PeerLost
     | Tick
+    | StatusIn
+    | FlagGiven
+    | FlagSeen
+    | FailedHere
     | Cleared
 )
 
@@ -164,7 +214,24 @@ class Close:
     phase: DecodePhase
 
 
-Effect = SentTo | ReleaseSlots | Close
+@dataclass(frozen=True)
+class ApplyStatus:
+    """SGLang is to see ``ok`` (Success, else Failed with ``reason``) from each of
+    ``ranks``: a room's Success names every sender, once all of them reported."""
+
+    ok: bool
+    ranks: tuple[int, ...]
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class FreeFlags:
+    """The room's completion-flag words return to the board (at its way out)."""
+
+    words: tuple[int, ...]
+
+
+Effect = SentTo | ReleaseSlots | ApplyStatus | FreeFlags | Close
 
 
 @dataclass(eq=False)
@@ -182,6 +249,13 @@ class DecodeMachine:
     sent_to: set[Endpoint] = field(default_factory=set)
     acked: set[Endpoint] = field(default_factory=set)
     lost_at: dict[Endpoint, float] = field(default_factory=dict)
+    # the room's outcome as SGLang saw it from here: None while open, else ok
+    outcome: bool | None = None
+    succeeded: set[int] = field(default_factory=set)  # ranks whose Success came
+    # one-pass senders' completion flags (``engine.done_flags``): every board word taken
+    # for the room (freed at its way out), and the (word, value, rank) not yet seen
+    flag_words: list[int] = field(default_factory=list)
+    flags_due: list[tuple[int, int, int]] = field(default_factory=list)
 
     def on(self, event: Event) -> list[Effect]:
         """Apply ``event``; the effects to carry out, in order. A closed room does nothing."""
@@ -191,6 +265,8 @@ class DecodeMachine:
             return self._drain_event(event)
         if not self.phase.live:  # DRAINING: SGLang is done with the room, its pages are not
             return []
+        if isinstance(event, (StatusIn, FlagSeen, FlagGiven, FailedHere)):
+            return self._outcome_event(event)
         if isinstance(event, Opened):
             self.endpoints = set(event.endpoints)
         elif isinstance(event, RequestsStart):
@@ -207,6 +283,7 @@ class DecodeMachine:
             self.host = True
         elif isinstance(event, Aborted):
             self.phase = DecodePhase.ABORTED
+            self._failed()
         elif isinstance(event, Cleared):
             return self._cleared(event.ok, event.now)
         else:
@@ -241,6 +318,38 @@ class DecodeMachine:
         self.sent_to.add(target)
         return [SentTo(target)]
 
+    def _outcome_event(self, event: StatusIn | FlagSeen | FlagGiven | FailedHere) -> list[Effect]:
+        if isinstance(event, FlagGiven):
+            self.flag_words.append(event.word)
+            self.flags_due.append((event.word, event.value, event.rank))
+            return []
+        if isinstance(event, FailedHere):
+            self._failed()
+            return []
+        return self._status(event)
+
+    def _failed(self) -> None:
+        if self.outcome is None:
+            self.outcome = False
+
+    def _status(self, event: StatusIn | FlagSeen) -> list[Effect]:
+        if isinstance(event, FlagSeen):
+            seen = [f for f in self.flags_due if f[0] == event.word]
+            if not seen:
+                return []
+            self.flags_due = [f for f in self.flags_due if f[0] != event.word]
+            event = StatusIn(seen[0][2], True, "", event.expected)
+        if self.outcome is not None:  # decided: an abort, a failure, or every Success
+            return []
+        if not event.ok:
+            self.outcome = False
+            return [ApplyStatus(False, (event.rank,), event.reason)]
+        self.succeeded.add(event.rank)
+        if len(self.succeeded) < event.expected:
+            return []
+        self.outcome = True
+        return [ApplyStatus(True, tuple(sorted(self.succeeded)))]
+
     def _drain_event(self, event: AbortAcked | PeerLost | Tick) -> list[Effect]:
         if isinstance(event, AbortAcked):
             self.acked.add(event.endpoint)
@@ -264,4 +373,5 @@ class DecodeMachine:
 
     def _close(self, phase: DecodePhase) -> list[Effect]:
         self.phase = phase
-        return [Close(phase)]
+        words, self.flag_words, self.flags_due = tuple(self.flag_words), [], []
+        return ([FreeFlags(words)] if words else []) + [Close(phase)]

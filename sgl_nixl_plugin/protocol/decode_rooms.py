@@ -40,6 +40,7 @@ from sgl_nixl_plugin.protocol.decode_machine import (
     DecodePhase,
     Effect,
     Event,
+    FreeFlags,
     HostPages,
     NextTarget,
     Opened,
@@ -50,17 +51,18 @@ from sgl_nixl_plugin.protocol.decode_machine import (
     SentTo,
     Tick,
 )
-from sgl_nixl_plugin.protocol.slot_table import Endpoint, SlotState, SlotTable
+from sgl_nixl_plugin.protocol.slot_table import (
+    SLOTS_PER_ROOM,
+    Endpoint,
+    Grant,
+    Recall,
+    SlotCounters,
+    SlotState,
+    SlotTable,
+    slots_per_sender,
+)
 
-#: Receiver slots one room may hold: pieces land in one while earlier ones are scattered and
-#: their credit travels back (two would leave the sender waiting for that round trip).
-SLOTS_PER_ROOM = 4
-
-
-def slots_per_sender(senders: int) -> int:
-    """A room's slots split among the prefill ranks that send it (TP mismatch: several);
-    each keeps at least one, which still moves its bytes one piece at a time."""
-    return max(1, SLOTS_PER_ROOM // max(1, senders))
+__all__ = ["SLOTS_PER_ROOM", "DecodeRoom", "DecodeRooms", "Grant", "Recall", "slots_per_sender"]
 
 
 @dataclass(eq=False)
@@ -74,10 +76,6 @@ class DecodeRoom(DecodeMachine):
     recalled: bool = False  # a SlotRecall for it is out and not yet answered
     units: dict[tuple[int, int, int], Any] = field(default_factory=dict)
     times: dict[str, float] = field(default_factory=dict)  # step -> perf_counter (timeline)
-    # one-pass senders' completion flags (``engine.done_flags``): every board word taken
-    # for the room (freed when it closes), and the (word, value, prefill rank) not yet seen
-    flag_words: list[int] = field(default_factory=list)
-    flags_due: list[tuple[int, int, int]] = field(default_factory=list)
     # its direct senders put a note on each WRITE (``wire.notes``): prefill rank -> [notes
     # seen, how many it owes (0: not told yet)]; ``noting`` until one rank's notes add up
     noting: bool = False
@@ -106,23 +104,6 @@ class DecodeRoom(DecodeMachine):
         return {**{f"{k}_at": v for k, v in self.times.items()}, "ended_at": ended}
 
 
-@dataclass
-class SlotCounters:
-    """Events, not tables (they need not return to zero): for metrics and tests."""
-
-    asks: int = 0  # senders that found no free slot
-    late_grants: int = 0  # slots granted to waiting senders
-    returned: int = 0  # slots given back mid-room (SlotReturn)
-    recalls: int = 0  # SlotRecalls sent
-    freed_early: int = 0  # slots freed at their sender's Success
-    prepared: int = 0  # rooms whose page numbers were uploaded before their first piece
-    late_uploads: int = 0  # chunks whose unit numbers had to be uploaded at their first piece
-
-
-Grant = tuple[Endpoint, int, int]  # (sender, room, slot)
-Recall = tuple[Endpoint, int]  # (sender, room)
-
-
 class DecodeRooms:
     """Every room of one decode rank; thread-safe (one lock for rooms and slots)."""
 
@@ -140,6 +121,8 @@ class DecodeRooms:
         self._waiting: deque[tuple[int, Endpoint]] = deque()  # senders without a slot
         self._next_order = 0
         self.lock = threading.RLock()
+        #: returns a completion-flag word to the decode's board (set once it has one)
+        self.free_flag: Callable[[int], None] | None = None
 
     # -- the machine's events and effects ---------------------------------------------
     def _feed(self, rec: DecodeRoom, event: Event) -> tuple[list[Effect], list[Grant]]:
@@ -150,9 +133,19 @@ class DecodeRooms:
         for effect in effects:
             if isinstance(effect, ReleaseSlots):
                 grants += self._release_slots(rec, effect.failed)
+            elif isinstance(effect, FreeFlags) and self.free_flag is not None:
+                for word in effect.words:  # reused only after every other word
+                    self.free_flag(word)
             elif isinstance(effect, Close):
                 self._close(rec)
         return effects, grants
+
+    def feed(self, room: int, event: Event) -> list[Effect]:
+        """Apply ``event`` to ``room`` while SGLang holds its receiver; the effects this
+        table does not carry out itself (``ApplyStatus``) are the caller's."""
+        with self.lock:
+            rec = self._live(room)
+            return self._feed(rec, event)[0] if rec is not None else []
 
     def _release_slots(self, rec: DecodeRoom, failed: bool) -> list[Grant]:
         room = rec.room
@@ -279,7 +272,8 @@ class DecodeRooms:
         return rec is not None and rec.host
 
     def aborted(self, room: int) -> None:
-        """An abort of ``room`` went to its prefill ranks (their ACKs are due)."""
+        """An abort of ``room`` went to its prefill ranks (a host room's ACKs are due):
+        the room failed, and no prefill status applies any more."""
         with self.lock:
             rec = self._live(room)
             if rec is not None:

@@ -134,3 +134,31 @@ class SlotTable:
         for i in slots:
             s = self.slots[i]
             s.state, s.room, s.sender = SlotState.FREE, None, None
+
+
+#: Receiver slots one room may hold: pieces land in one while earlier ones are scattered and
+#: their credit travels back (two would leave the sender waiting for that round trip).
+SLOTS_PER_ROOM = 4
+
+
+def slots_per_sender(senders: int) -> int:
+    """A room's slots split among the prefill ranks that send it (TP mismatch: several);
+    each keeps at least one, which still moves its bytes one piece at a time."""
+    return max(1, SLOTS_PER_ROOM // max(1, senders))
+
+
+@dataclass
+class SlotCounters:
+    """Events, not tables (they need not return to zero): for metrics and tests."""
+
+    asks: int = 0  # senders that found no free slot
+    late_grants: int = 0  # slots granted to waiting senders
+    returned: int = 0  # slots given back mid-room (SlotReturn)
+    recalls: int = 0  # SlotRecalls sent
+    freed_early: int = 0  # slots freed at their sender's Success
+    prepared: int = 0  # rooms whose page numbers were uploaded before their first piece
+    late_uploads: int = 0  # chunks whose unit numbers had to be uploaded at their first piece
+
+
+Grant = tuple[Endpoint, int, int]  # (sender, room, slot)
+Recall = tuple[Endpoint, int]  # (sender, room)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from sgl_nixl_plugin.sides import decode_status
 from sgl_nixl_plugin.sides.decode_policy import DecodePolicy
 from sgl_nixl_plugin.transport.control_loop import ControlLoop
 from sgl_nixl_plugin.transport.liveness import Endpoint
@@ -137,7 +138,7 @@ class DecodeListener(ControlLoop):
         if staging is not None and rooms.is_staged(msg.room):
             staging.submit(msg)  # after the room's pieces already queued for scatter
         else:
-            self.ctx.sglang.apply_status(msg.room, msg.status, msg.prefill_rank, msg.reason)
+            decode_status.status_in(self.ctx, msg)
             rooms.mark(msg.room, "applied")
 
     def _staging_for(self, msg: Any) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
+from sgl_nixl_plugin.sides import decode_status
 from sgl_nixl_plugin.sides.context import DecodeContext
 from sgl_nixl_plugin.wire.messages import Abort
 
@@ -49,9 +50,8 @@ class DecodePolicy:
         """Fail every unfinished room served by ``endpoint``, forget its cached route (and
         close the socket to it, unless the peer is alive: ``disconnect``), and return the
         rooms failed."""
-        failed = [
-            r for r in self.ctx.rooms.rooms_served_by(endpoint) if self.ctx.sglang.fail(r, reason)
-        ]
+        rooms = self.ctx.rooms.rooms_served_by(endpoint)
+        failed = [r for r in rooms if decode_status.fail(self.ctx, r, reason)]
         if disconnect:  # gone: no ACK will come from it
             self.ctx.rooms.peer_lost(endpoint)
         self.forget_endpoint(endpoint, disconnect)
@@ -118,12 +118,12 @@ class DecodePolicy:
 
     def abort_generation(self, room: int, generation: int | None) -> int | None:
         """The generation an abort of ``room`` carries: SGLang's, else, for a host room
-        (whose pages wait for every prefill rank's ACK), ours; a host room's ACKs are due
-        from now on."""
+        (whose pages wait for every prefill rank's ACK), ours; the room's machine learns of
+        the abort (a host room's ACKs are due from now on)."""
         rooms = self.ctx.rooms
+        rooms.aborted(room)  # no prefill status applies any more
         if not rooms.is_host(room):
             return generation
-        rooms.aborted(room)
         return HOST_ABORT_GENERATION if generation is None else generation
 
     def tell_prefills(self, room: int, endpoints: set[Endpoint], reason: str) -> None:

@@ -14,10 +14,11 @@ import numpy as np
 from sgl_nixl_plugin.protocol.decode_rooms import DecodeRoom
 from sgl_nixl_plugin.registry import manager as registry
 from sgl_nixl_plugin.registry.spec import ReceiveEvent
+from sgl_nixl_plugin.sides import decode_status
 from sgl_nixl_plugin.sides.context import DecodeContext
 from sgl_nixl_plugin.sides.decode_listener import DecodeListener
 from sgl_nixl_plugin.sides.decode_policy import DecodePolicy
-from sgl_nixl_plugin.sides.decode_staging import SUCCESS, DecodeStaging
+from sgl_nixl_plugin.sides.decode_staging import DecodeStaging
 from sgl_nixl_plugin.sides.decode_warmup import StartupRegistration
 from sgl_nixl_plugin.transport import bootstrap_client
 from sgl_nixl_plugin.wire.notes import count_note, decode_note
@@ -90,7 +91,7 @@ class DecodeSide:
         flag = None
         if not host and target in self.ctx.one_pass:
             staged = False
-            flag = self._take_flag(room, target)
+            flag = decode_status.take_flag(self.ctx, room, target)
         notes = self._asks_notes(room, target, flag, len(pages))
         staging = self.ctx.staging
         if not staged or staging is None or not staging.offers.stages_to(target):
@@ -113,41 +114,9 @@ class DecodeSide:
         rec.noting = True
         return True
 
-    def _take_flag(self, room: int, target: Endpoint | None) -> tuple[int, int] | None:
-        """A board word and value for ``target``'s one-pass writes of ``room``, or None
-        (no board, the rank did not map it, or every word is taken)."""
-        board = self.ctx.flags
-        rank = self.ctx.flag_ranks.get(target) if target is not None else None
-        rec = self.ctx.rooms.get(room)
-        if board is None or rank is None or rec is None:
-            return None
-        got = board.take()
-        if got is not None:
-            self.ctx.flags_given += 1
-            rec.flag_words.append(got[0])
-            rec.flags_due.append((got[0], got[1], rank))
-        return got
-
     def check_flags(self, room: int) -> None:
-        """Apply the Success of every one-pass sender of ``room`` whose flag is stored: the
-        scheduler calls this through the receiver's ``poll()``, so a room ends as its last
-        copy ends, not after the status message's hop (which still comes, and is a no-op)."""
-        rec = self.ctx.rooms.get(room)
-        if rec is None or not rec.flags_due:
-            return
-        board = self.ctx.flags
-        due = rec.flags_due
-        seen = [f for f in due if board.seen(f[0], f[1])]
-        if not seen:
-            return
-        rec.flags_due = [f for f in due if f not in seen]
-        sg, rooms = self.ctx.sglang, self.ctx.rooms
-        rooms.mark(room, "status", first=True)
-        for _, _, rank in seen:
-            self.ctx.flag_hits += 1
-            if sg.is_pending(room):  # not over an abort or a failure already applied
-                sg.apply_status(room, SUCCESS, rank, "")
-        rooms.mark(room, "applied", first=True)
+        """Apply what ``room``'s stored completion flags say (``decode_status``)."""
+        decode_status.check_flags(self.ctx, room)
 
     def check_notes(self, room: int) -> None:
         """Count the notes on the direct WRITEs that landed (``wire.notes``), and apply the
@@ -168,8 +137,7 @@ class DecodeSide:
                 if count_note(other.notes, note.prefill_rank, note.total):
                     self.ctx.note_hits += 1
                     rooms.mark(note.room, "status", first=True)
-                    if sg.is_pending(note.room):  # not over an abort or a failure applied
-                        sg.apply_status(note.room, SUCCESS, note.prefill_rank, "")
+                    decode_status.success_in(self.ctx, note.room, note.prefill_rank)
                     rooms.mark(note.room, "applied", first=True)
                     other.noting = sg.is_open(note.room)  # other ranks' Success due
         if not sg.is_open(room):
@@ -181,14 +149,11 @@ class DecodeSide:
         return any(r.flags_due or r.noting for r in self.ctx.rooms.records())
 
     def close_room(self, room: int, ok: bool) -> None:
-        """SGLang cleared the receiver: the room's record goes, its slots return."""
+        """SGLang cleared the receiver: the room's record goes (its flag words with it), its
+        slots return."""
         rec = self.ctx.rooms.get(room)
         if rec is not None:
             self._report(rec, ok)
-        if rec is not None and rec.flag_words and self.ctx.flags is not None:
-            for word in rec.flag_words:  # reused only after every other word
-                self.ctx.flags.free(word)
-            rec.flag_words, rec.flags_due = [], []
         grants = self.ctx.rooms.close(room, ok)
         if self.ctx.staging is not None:
             self.ctx.staging.messenger(grants)

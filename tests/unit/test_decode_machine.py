@@ -1,9 +1,12 @@
 """A decode room's transitions, over random orders of its events (hypothesis).
 
 The machine driver plays SGLang's receiver (``init``, the transfer requests, a host
-destination, an abort, the clear), the room's prefill ranks (abort ACKs), the liveness watch
-(a rank lost) and the clock, in any order, and keeps its own account of what was sent where
-and what each rank said; the invariants hold that account against the machine. The table
+destination, completion-flag words handed out, an abort, SGLang's own Failed, the clear),
+the room's prefill ranks (statuses, stored flags, abort ACKs), the liveness watch (a rank
+lost) and the clock, in any order, and keeps its own account of what was sent where and
+what each rank said; the invariants hold that account against the machine: the outcome is
+decided once (a status after the room ended, an abort or a failure changes nothing; a
+Success only once every expected sender reported one), and flag words are freed once. The table
 driver does the same through ``DecodeRooms`` for a few rooms that share one clock, and
 checks what the rest of the decode reads: a record leaves its table once, a host room's
 pages are safe only once drained, and a drained room never holds its table.
@@ -15,17 +18,28 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from sgl_nixl_plugin.protocol.decode_machine import (
     AbortAcked,
     Aborted,
+    ApplyStatus,
     Cleared,
     Close,
     DecodeMachine,
     DecodePhase,
     Effect,
     Event,
+    FailedHere,
+    FlagGiven,
+    FlagSeen,
+    FreeFlags,
     HostPages,
     NextTarget,
     Opened,
@@ -34,6 +48,7 @@ from sgl_nixl_plugin.protocol.decode_machine import (
     RequestsEnd,
     RequestsStart,
     SentTo,
+    StatusIn,
     Tick,
 )
 from sgl_nixl_plugin.protocol.decode_rooms import DecodeRooms
@@ -42,6 +57,7 @@ P = DecodePhase
 Q = 5.0  # the quarantine after a loss
 RANKS = [("10.0.0.1", 1), ("10.0.0.1", 2), ("10.0.0.2", 1)]
 rank = st.sampled_from(RANKS)
+prank = st.integers(0, 2)  # a prefill rank as its statuses and flags name it
 #: how far the phase has come (live phases never go back; a room never comes back to life)
 ORDER = {P.CONNECTING: 0, P.REQUESTING: 1, P.RECEIVING: 2, P.ABORTED: 3, P.DRAINING: 4}
 
@@ -64,6 +80,16 @@ class Room(RuleBasedStateMachine):
         self.cleared: bool | None = None  # ok of SGLang's clear
         self.aborted_ok = False  # an abort came after SGLang cleared the room with Success
         self.highest = 0  # the furthest phase seen while live
+        self.expected = 1  # senders whose Success makes the room's (SGLang's count)
+        self.decided: bool | None = None  # an abort, a failure, or every Success: ok
+        self.reported: set[int] = set()  # ranks whose Success (status or flag) counted
+        self.given: list[int] = []  # flag words handed out while live
+        self.due: dict[int, int] = {}  # word -> rank, not yet seen
+        self.words = 100
+
+    @initialize(n=st.integers(1, 3))
+    def senders(self, n: int) -> None:
+        self.expected = n
 
     def feed(self, event: Event) -> list[Effect]:
         was = self.m.phase
@@ -73,7 +99,7 @@ class Room(RuleBasedStateMachine):
             assert out == [] and self.m.phase is was, (event, out)  # a closed room stays so
         if not was.live:
             assert not self.m.phase.live  # no way back to life
-            assert not any(isinstance(e, (SentTo, ReleaseSlots)) for e in out), out
+            assert not any(isinstance(e, (SentTo, ReleaseSlots, ApplyStatus)) for e in out)
         for e in out:
             if isinstance(e, SentTo):
                 self.sent.add(e.endpoint)
@@ -120,6 +146,7 @@ class Room(RuleBasedStateMachine):
         assert out == []  # an abort alone never releases nor closes anything
         if before.live:
             assert self.m.phase is P.ABORTED
+            self.decided = False if self.decided is None else self.decided
         else:
             assert self.m.phase is before  # after the clear (Success or not): nothing
             self.aborted_ok = self.aborted_ok or before is P.SUCCEEDED
@@ -132,14 +159,65 @@ class Room(RuleBasedStateMachine):
             return
         self.cleared = ok
         assert out[0] == ReleaseSlots(failed=not ok)  # slots return at the clear, whatever else
+        free = [FreeFlags(tuple(self.given))] if self.given else []
         if ok:
-            assert out[1:] == [Close(P.SUCCEEDED)]
+            assert out[1:] == free + [Close(P.SUCCEEDED)]
         elif self.host and not safe(self.sent, self.acked, self.lost, self.now):
             assert out[1:] == [] and self.m.phase is P.DRAINING
         else:
-            assert out[1:] == [Close(P.FAILED)]
+            assert out[1:] == free + [Close(P.FAILED)]
+
+    @rule()
+    def failed_here(self) -> None:
+        """SGLang set Failed itself (its timeouts), or this side failed the room."""
+        if self.m.phase.live and self.decided is None:
+            self.decided = False
+        assert self.feed(FailedHere()) == []
+
+    @rule(r=prank)
+    def flag_given(self, r: int) -> None:
+        self.words += 1
+        if self.m.phase.live:
+            self.given.append(self.words)
+            self.due[self.words] = r
+        assert self.feed(FlagGiven(self.words, 1, r)) == []
 
     # -- the prefill ranks, the liveness watch, the clock ----------------------------------
+    def _status(self, out: list[Effect], live: bool, r: int, ok: bool) -> None:
+        """What a status may do: nothing once the room ended or its outcome was decided;
+        a Failed applies at once, a Success once every expected sender reported one."""
+        if not live or self.decided is not None:
+            assert out == [], out  # a status after the end, an abort or a failure
+            return
+        if not ok:
+            self.decided = False
+            assert out == [ApplyStatus(False, (r,), "why")]
+            return
+        self.reported.add(r)
+        if len(self.reported) < self.expected:
+            assert out == []
+            return
+        self.decided = True
+        assert out == [ApplyStatus(True, tuple(sorted(self.reported)))]
+
+    @rule(r=prank, ok=st.booleans())
+    def status(self, r: int, ok: bool) -> None:
+        live, outcome = self.m.phase.live, self.m.outcome
+        out = self.feed(StatusIn(r, ok, "" if ok else "why", self.expected))
+        self._status(out, live, r, ok)
+        if not live or outcome is not None:
+            assert self.m.outcome == outcome  # and the machine's outcome stays
+
+    @rule(data=st.data())
+    def flag_seen(self, data: st.DataObject) -> None:
+        word = data.draw(st.sampled_from(sorted(self.due) + [1]))  # 1: never given
+        live = self.m.phase.live
+        out = self.feed(FlagSeen(word, self.expected))
+        if live and word in self.due:
+            self._status(out, live, self.due.pop(word), True)
+        else:
+            assert out == []
+
     @rule(ep=rank)
     def abort_acked(self, ep) -> None:
         if not self.m.phase.terminal:
@@ -167,6 +245,32 @@ class Room(RuleBasedStateMachine):
             assert self.count(ReleaseSlots) == 1  # slots went back at the clear
         if self.m.phase.terminal:
             assert closes
+
+    @invariant()
+    def one_outcome(self) -> None:
+        """At most one status reaches SGLang as the room's outcome; a Success names every
+        sender, and only once every expected one reported."""
+        applied = [e for e in self.effects if isinstance(e, ApplyStatus)]
+        assert len(applied) <= 1
+        for e in applied:
+            assert self.m.outcome is e.ok is self.decided
+            if e.ok:
+                assert set(e.ranks) == self.reported and len(e.ranks) >= self.expected
+        if self.m.phase.live:
+            assert self.m.outcome is self.decided
+
+    @invariant()
+    def flag_words_freed_once(self) -> None:
+        """Every word handed out is freed once, at the room's way out, with its Close."""
+        frees = [e for e in self.effects if isinstance(e, FreeFlags)]
+        assert len(frees) <= 1
+        freed = [w for e in frees for w in e.words]
+        assert sorted(freed) == (sorted(self.given) if self.m.phase.terminal else [])
+        if frees:
+            i = self.effects.index(frees[0])
+            assert isinstance(self.effects[i + 1], Close)
+        if not self.m.phase.terminal:
+            assert [w for w, _, _ in self.m.flags_due] == sorted(self.due)
 
     @invariant()
     def phases_go_forward(self) -> None:
@@ -215,6 +319,8 @@ class Room(RuleBasedStateMachine):
             self.feed(AbortAcked(ep, self.now))
         assert self.count(Close) == 1 and self.m.phase.terminal
         assert self.m.on(Aborted()) == [] and self.m.on(Cleared(False, self.now)) == []
+        assert self.m.on(StatusIn(0, True, "", 1)) == [] and self.m.on(StatusIn(0, False)) == []
+        assert self.count(FreeFlags) == (1 if self.given else 0)
 
 
 Room.TestCase.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
@@ -236,6 +342,10 @@ class Table(RuleBasedStateMachine):
         self.host: dict[int, bool] = {}
         self.failed_host: set[int] = set()  # cleared failed, pages held by SGLang
         self.aborted: set[int] = set()  # live rooms whose abort went out
+        self.freed: list[int] = []  # completion-flag words the table freed, in order
+        self.rooms.free_flag = self.freed.append
+        self.words: dict[int, list[int]] = {}  # live room -> flag words handed out for it
+        self.given: list[int] = []
 
     def _safe(self, room: int) -> bool:
         return safe(self.sent[room], self.acked[room], self.lost[room], self.now)
@@ -250,7 +360,7 @@ class Table(RuleBasedStateMachine):
             return
         self.failed_host.discard(room)
         self.sent[room], self.acked[room], self.host[room] = set(), set(), False
-        self.lost[room] = {}
+        self.lost[room], self.words[room] = {}, []
         host = data.draw(st.booleans())
         self.rooms.start_requests(room, sorted(eps))
         if host:
@@ -271,6 +381,15 @@ class Table(RuleBasedStateMachine):
         self.rooms.aborted(room)
         self.aborted.add(room)
         assert room in self.rooms
+
+    @precondition(lambda self: any(r in self.rooms for r in self.ROOMS))
+    @rule(data=st.data())
+    def flag(self, data: st.DataObject) -> None:
+        room = data.draw(st.sampled_from([r for r in self.ROOMS if r in self.rooms]))
+        word = len(self.given)
+        self.given.append(word)
+        self.words[room].append(word)
+        assert self.rooms.feed(room, FlagGiven(word, 1, 0)) == []
 
     @precondition(lambda self: any(r in self.rooms for r in self.ROOMS))
     @rule(data=st.data(), ok=st.booleans())
@@ -327,6 +446,14 @@ class Table(RuleBasedStateMachine):
                 assert not self.rooms.release_safe(r)
 
     @invariant()
+    def flag_words_freed_once(self) -> None:
+        """A word is freed once, never while its room is live."""
+        assert len(set(self.freed)) == len(self.freed) and set(self.freed) <= set(self.given)
+        for room in self.ROOMS:
+            if room in self.rooms:
+                assert not set(self.words[room]) & set(self.freed)
+
+    @invariant()
     def watched(self) -> None:
         """The liveness watch follows the ranks whose ACK a host room's pages wait for,
         except those already lost (their quarantine runs out by itself)."""
@@ -345,6 +472,7 @@ class Table(RuleBasedStateMachine):
                 self.rooms.abort_acked(room, ep)
             assert self.rooms.release_safe(room)
         self.now += Q
+        assert sorted(self.freed) == self.given  # every word handed out came back, once
         assert self.rooms.sizes() == {
             "rooms": 0,
             "host_draining": 0,
@@ -449,3 +577,36 @@ def test_an_abort_after_the_clear_changes_nothing(ok, host, acks, t) -> None:
 def test_unknown_events_are_refused():
     with pytest.raises(TypeError):
         DecodeMachine(1, set()).on("cleared")  # type: ignore[arg-type]
+
+
+def test_a_success_applies_once_every_sender_reported_by_status_or_flag():
+    m = DecodeMachine(1, set(RANKS[:2]))
+    m.on(FlagGiven(9, 3, 1))
+    assert m.on(StatusIn(0, True, "", expected=2)) == []
+    assert m.on(FlagSeen(8, expected=2)) == []  # not this room's word
+    assert m.on(FlagSeen(9, expected=2)) == [ApplyStatus(True, (0, 1))]
+    assert m.flags_due == [] and m.flag_words == [9]
+    assert m.on(StatusIn(1, True, "", expected=2)) == []  # the status after its flag
+    assert m.on(StatusIn(1, False, "late", expected=2)) == []  # the outcome was decided
+    assert m.on(Cleared(True, 0.0)) == [
+        ReleaseSlots(failed=False),
+        FreeFlags((9,)),
+        Close(P.SUCCEEDED),
+    ]
+
+
+@pytest.mark.parametrize("first", [Aborted(), FailedHere(), StatusIn(2, False, "first")])
+def test_no_status_applies_over_an_abort_or_a_failure(first) -> None:
+    m = DecodeMachine(1, set(RANKS))
+    m.on(first)
+    assert m.outcome is False
+    assert m.on(StatusIn(0, True)) == [] and m.on(StatusIn(1, False, "second")) == []
+
+
+def test_a_status_for_a_room_no_longer_live_is_dropped_by_its_table():
+    rooms = DecodeRooms(0)
+    assert rooms.feed(5, StatusIn(0, True)) == []  # no record
+    rooms.open(5, {RANKS[0]})
+    assert rooms.feed(5, StatusIn(0, True)) == [ApplyStatus(True, (0,))]
+    rooms.close(5, ok=True)
+    assert rooms.feed(5, StatusIn(0, False, "late")) == []

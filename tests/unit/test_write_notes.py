@@ -11,6 +11,7 @@ import pytest
 
 from sgl_nixl_plugin.protocol.decode_rooms import DecodeRooms
 from sgl_nixl_plugin.settings import Settings
+from sgl_nixl_plugin.sides import decode_status
 from sgl_nixl_plugin.sides.decode_side import NOTES_MAX_BYTES, DecodeSide
 from sgl_nixl_plugin.wire.notes import Note, decode_note, encode_note
 
@@ -52,6 +53,9 @@ class Tables:
     def apply_status(self, room: int, status: int, rank: int, reason: str) -> None:
         self.applied.append((room, status, rank))
         self.status[room] = status
+
+    def senders_of(self, room: int) -> int:
+        return 1
 
 
 @pytest.fixture
@@ -102,7 +106,8 @@ def test_a_room_ends_once_every_write_of_its_rank_landed(decode) -> None:
 
 def test_notes_do_not_override_a_room_that_already_ended(decode) -> None:
     assert _request(decode, ROOM)
-    decode.sg.status[ROOM] = 0  # failed (an abort) before its WRITE landed
+    decode.sg.status[ROOM] = 0  # SGLang failed it (an abort) before its WRITE landed,
+    decode_status.failed_here(decode.ctx, ROOM)  # which the receiver's poll tells the room
     decode.agent.inbox += [encode_note(ROOM, RANK, 1, 1), encode_note(99, RANK, 1, 1)]
     decode.side.check_notes(ROOM)
     assert decode.sg.applied == [] and not decode.side.flags_pending()

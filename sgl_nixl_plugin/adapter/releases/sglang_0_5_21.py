@@ -20,6 +20,7 @@ from sgl_nixl_plugin.adapter import manager, receiver, sender
 from sgl_nixl_plugin.adapter.bootstrap import NixlPluginKVBootstrapServer
 from sgl_nixl_plugin.adapter.sglang_rooms import SGLangRooms
 from sgl_nixl_plugin.adapter.template import ManagerTemplate, ReceiverTemplate, SenderTemplate
+from sgl_nixl_plugin.sides import decode_status
 from sgl_nixl_plugin.wire.messages import AbortAck
 
 RELEASE = "0.5.21"
@@ -85,9 +86,10 @@ class NixlPluginKVReceiver(receiver.NixlPluginKVReceiver, ReceiverTemplate):
         if status in (KVPoll.Success, KVPoll.Failed):
             self.conclude_state = status
         elif status == KVPoll.WaitingForInput:
-            timed_out = self._check_waiting_timeout()
-            if timed_out is not None:
-                return timed_out
+            timed_out = self._check_waiting_timeout()  # KVPoll.Failed is 0: no ``or``
+            status = status if timed_out is None else timed_out
+        if status == KVPoll.Failed:  # the room's machine: no prefill status applies now
+            decode_status.failed_here(self.kv_mgr.decode.ctx, self.bootstrap_room)
         return status
 
     def clear(self) -> None:

@@ -1,0 +1,102 @@
+"""A decode room's outcome: prefill statuses, completion flags and local failures go to the
+room's machine (``protocol.decode_machine``), and what it decides reaches SGLang here only.
+
+The machine decides from its phase whether a status still applies (not over an abort or a
+failure already applied; a Success once every expected sender reported it); ``_apply``
+carries out its ``ApplyStatus`` through the rooms facade. A failure SGLang sets itself (its
+timeouts, an abort) is told to the machine as ``FailedHere`` by whoever sees it first.
+"""
+
+from __future__ import annotations
+
+from sgl_nixl_plugin.protocol.decode_machine import (
+    FAILED,
+    SUCCESS,
+    ApplyStatus,
+    Effect,
+    FailedHere,
+    FlagGiven,
+    FlagSeen,
+    StatusIn,
+)
+from sgl_nixl_plugin.sides.context import DecodeContext
+from sgl_nixl_plugin.wire.messages import TransferStatus
+
+Endpoint = tuple[str, int]
+
+
+def status_in(ctx: DecodeContext, msg: TransferStatus) -> None:
+    """A prefill rank's status message for one of our rooms (behind its scatters)."""
+    if msg.status not in (SUCCESS, FAILED):  # readiness, not an outcome: SGLang's own
+        ctx.sglang.apply_status(msg.room, msg.status, msg.prefill_rank, msg.reason)
+        return
+    event = StatusIn(
+        msg.prefill_rank, msg.status == SUCCESS, msg.reason, ctx.sglang.senders_of(msg.room)
+    )
+    _apply(ctx, msg.room, ctx.rooms.feed(msg.room, event))
+
+
+def success_in(ctx: DecodeContext, room: int, rank: int) -> None:
+    """A prefill rank's Success learned before its status message (the notes on its
+    WRITEs all landed); the message, when it comes, then changes nothing."""
+    event = StatusIn(rank, True, "", ctx.sglang.senders_of(room))
+    _apply(ctx, room, ctx.rooms.feed(room, event))
+
+
+def fail(ctx: DecodeContext, room: int, reason: str) -> bool:
+    """Fail an open room here (SGLang's status), and tell its machine; whether it was open."""
+    failed = bool(ctx.sglang.fail(room, reason))
+    if failed:
+        ctx.rooms.feed(room, FailedHere())
+    return failed
+
+
+def failed_here(ctx: DecodeContext, room: int) -> None:
+    """SGLang's status of ``room`` became Failed (seen by its receiver's poll)."""
+    ctx.rooms.feed(room, FailedHere())
+
+
+def take_flag(ctx: DecodeContext, room: int, target: Endpoint | None) -> tuple[int, int] | None:
+    """A board word and value for ``target``'s one-pass writes of ``room``, or None (no
+    board, the rank did not map it, the room ended, or every word is taken). The word is
+    the room's until its way out (the machine's ``FreeFlags``)."""
+    board, rooms = ctx.flags, ctx.rooms
+    rank = ctx.flag_ranks.get(target) if target is not None else None
+    if board is None or rank is None:
+        return None
+    with rooms.lock:  # the room cannot end between the word's taking and its filing
+        if room not in rooms:
+            return None
+        got = board.take()
+        if got is not None:
+            ctx.flags_given += 1
+            rooms.feed(room, FlagGiven(got[0], got[1], rank))
+    return got
+
+
+def check_flags(ctx: DecodeContext, room: int) -> None:
+    """Feed the room's machine every completion flag of its one-pass senders now stored:
+    the scheduler calls this through the receiver's ``poll()``, so a room ends as its last
+    copy ends, not after the status message's hop (which still comes, and is a no-op)."""
+    rec, board = ctx.rooms.get(room), ctx.flags
+    if rec is None or board is None or not rec.flags_due:
+        return
+    seen = [word for word, value, _ in rec.flags_due if board.seen(word, value)]
+    if not seen:
+        return
+    rooms, expected = ctx.rooms, ctx.sglang.senders_of(room)
+    rooms.mark(room, "status", first=True)
+    for word in seen:
+        ctx.flag_hits += 1
+        _apply(ctx, room, rooms.feed(room, FlagSeen(word, expected)))
+    rooms.mark(room, "applied", first=True)
+
+
+def _apply(ctx: DecodeContext, room: int, effects: list[Effect]) -> None:
+    """The one place a prefill status reaches SGLang: each rank's (SGLang counts a room's
+    Success over its senders, and sets it at the last)."""
+    for effect in effects:
+        if isinstance(effect, ApplyStatus):
+            status = SUCCESS if effect.ok else FAILED
+            for rank in effect.ranks:
+                ctx.sglang.apply_status(room, status, rank, effect.reason)
