@@ -27,7 +27,9 @@ Endpoint = tuple[str, int]
 
 def status_in(ctx: DecodeContext, msg: TransferStatus) -> None:
     """A prefill rank's status message for one of our rooms (behind its scatters)."""
-    if msg.status not in (SUCCESS, FAILED):  # readiness, not an outcome: SGLang's own
+    if msg.status not in (SUCCESS, FAILED) or ctx.rooms.get(msg.room) is None:
+        # readiness, not an outcome; or a room with no live record of ours (a receiver
+        # bootstrapped without our init, a room cleared): SGLang's own rules decide
         ctx.sglang.apply_status(msg.room, msg.status, msg.prefill_rank, msg.reason)
         return
     event = StatusIn(
