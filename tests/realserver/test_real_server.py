@@ -298,10 +298,16 @@ def _log_problems(stack: PDStack, sent: int) -> list[str]:
                 problems.append(
                     f"{role} log: 'sgl-nixl: {role} manager ready' {ready} times, expected {tp}"
                 )
-            # each names the memory the plugin took for staging (a host pool here: DRAM)
-            held = _count(log, "MiB of host memory for staging")
+            # each names the memory the plugin holds for staging (a host pool here: DRAM):
+            # none at start-up, taken once at most, when a peer first stages
+            held = _count(log, "0 MiB of host memory for staging (up to ")
             if held != tp:
-                problems.append(f"{role} log: the staging memory held named {held} times, not {tp}")
+                problems.append(
+                    f"{role} log: no staging memory at start-up named {held} times, not {tp}"
+                )
+            taken = _count(log, "MiB of host memory for staging (")  # the start-up lines too
+            if taken - held > tp:
+                problems.append(f"{role} log: {taken - held} staging allocations on {tp} ranks")
             startup = f"sgl-nixl-plugin {__version__} serving: registered transfer backend(s): nixl"
             if _count(log, startup) != tp:  # once per scheduler process
                 problems.append(
