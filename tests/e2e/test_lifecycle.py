@@ -107,13 +107,21 @@ def _assert_idle(cpu: dict[str, dict[str, Any]], when: str) -> None:
 def test_idle_managers_use_under_5_percent_of_a_core(pair: Pair) -> None:
     """A registered prefill and decode manager with no traffic (the decode still watching
     the prefill, heartbeats running) each use < 5% of one core over >= 3 s."""
-    # registered and connected (the connection monitor reports asynchronously: bounded wait)
-    poll_until(
-        lambda: pair.decode.call("state"),
-        lambda st: bool(st["known"]) and all(st["watched"].values()),
-        20,
-    )
-    assert pair.prefill.call("state")["peers"] == [pair.decode.info["agent"]]
+
+    # registered and connected (the connection monitor reports asynchronously: bounded
+    # wait), and the staging area the prefill asked for allocated and offered (the decode
+    # takes it after registration, at the prefill's first staged need: set-up, not idling)
+    def settled(st: tuple[dict, dict]) -> bool:
+        dec, pre = st
+        offered = dec["tables"].get("count.staging.offers", 0)
+        return (
+            bool(dec["known"])
+            and all(dec["watched"].values())
+            and pre["peers"] == [pair.decode.info["agent"]]
+            and offered >= pre["tables"].get("count.staging.peers", 0)
+        )
+
+    poll_until(lambda: (pair.decode.call("state"), pair.prefill.call("state")), settled, 20)
     cpu = pair.idle_cpu()
     print(
         "\nidle CPU: "
