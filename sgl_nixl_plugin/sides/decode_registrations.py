@@ -15,13 +15,14 @@ from typing import Any
 
 from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.engine import Memory, PeerLink
-from sgl_nixl_plugin.engine.staging import RemoteStaging, spare_of
+from sgl_nixl_plugin.engine.staging import RemoteStaging
 from sgl_nixl_plugin.protocol.peers import DecodePeer
 from sgl_nixl_plugin.sides.context import PrefillContext
 from sgl_nixl_plugin.sides.memory import decode_heads, kv_geometry, remote_memory
 from sgl_nixl_plugin.sides.one_pass import attach as attach_one_pass
 from sgl_nixl_plugin.sides.peer_setup import SetupThread
 from sgl_nixl_plugin.sides.pipeline_stages import DecodeStage, PrefillStage, decode_kv_window
+from sgl_nixl_plugin.sides.staging_asks import OwnBuffer, StagingAsks, registered_staging
 from sgl_nixl_plugin.wire.codec import ForeignRegistration
 from sgl_nixl_plugin.wire.compat import describe_mismatch
 from sgl_nixl_plugin.wire.messages import (
@@ -33,7 +34,6 @@ from sgl_nixl_plugin.wire.messages import (
     RegistrationReply,
     SlotGrant,
     SlotRecall,
-    StagingArea,
     StagingOffer,
     TransferRequest,
 )
@@ -55,6 +55,7 @@ class Setup:
     window: tuple[int, ...] | None = None
     one_pass: str = ""
     wants_staging: bool = False  # ask the decode for its staging area (``StagingOffer``)
+    stage_later: bool = False  # it may stage, our buffer comes after the accept
     reason: str = ""
     unreachable: str = ""
 
@@ -73,6 +74,7 @@ class DecodeRegistrations:
         # delay it (``_warm``); written by the control thread, read by the setup thread
         self.request_waits: set[str] = set()
         self.setup = SetupThread("sgl-nixl-prefill-setup", interrupt)
+        self.staging = StagingAsks(ctx, self.setup, self.setting_up, self._ask_staging)
 
     def waits_for_setup(self, msg: Any) -> bool:
         """Whether ``msg`` comes from a decode whose registration is still being set up
@@ -220,8 +222,10 @@ class DecodeRegistrations:
             gpu=ctx.gpu,
             local_uuid=ctx.device_uuid,
         )
-        stages = self._stages_into(reg, link)
-        area = _remote_staging(reg) if stages else None
+        may_stage = self.staging.may_stage(reg, link)
+        # our buffer now only if no request of this decode waits (it would wait for it)
+        stages = may_stage and self.staging.ready_now(reg, reg.agent_name in self.request_waits)
+        area = registered_staging(reg) if stages else None
         warm_ms = self._warm(link, reg.agent_name, area, reg.scratch, light)
         if stages and not geometry.is_whole_items:
             ctx.warm_copier(geometry.unit_len, geometry.src_stride, geometry.src_offset)
@@ -232,19 +236,8 @@ class DecodeRegistrations:
             window=window,
             one_pass=one_pass,
             wants_staging=stages and reg.staging is None,
+            stage_later=may_stage and not stages,
         )
-
-    def _stages_into(self, reg: PeerRegistration, link: PeerLink) -> bool:
-        """Whether this decode may take staged transfers from us (it has a staging area,
-        or allocates one on request, and not every chunk to it goes one pass: host-pool
-        rooms never do); our own buffer is allocated now, on the setup thread, if so."""
-        memory = self.ctx.staging_memory
-        if memory is None or (reg.staging is None and not reg.staging_slot_bytes):
-            return False
-        if link.one_pass is not None and not reg.host_kv:
-            return False
-        self.ctx.staging = memory.ensure(f"decode {reg.agent_name} may take staged transfers")
-        return self.ctx.staging is not None
 
     def finish(self) -> bool:
         """Accept or refuse the decodes whose setup came back; whether any did (their
@@ -252,7 +245,10 @@ class DecodeRegistrations:
         done = self.setup.finished()
         for reg, result in done:
             if isinstance(reg, StagingOffer):
-                self._offer_taken(reg, result)
+                self.staging.taken(reg, result)
+                continue
+            if isinstance(reg, OwnBuffer):
+                self.staging.prepared(reg, result)
                 continue
             self.setting_up.pop(reg.agent_name, None)
             self.request_waits.discard(reg.agent_name)
@@ -297,7 +293,7 @@ class DecodeRegistrations:
                     link,
                     reg,
                     endpoint,
-                    staging=_remote_staging(reg),
+                    staging=registered_staging(reg),
                     window=setup.window,
                     wants_staging=setup.wants_staging,
                 )
@@ -334,68 +330,15 @@ class DecodeRegistrations:
             one_pass=link.one_pass if not reason and link is not None else None,
             wants_staging=setup.wants_staging and not reason,
         )
+        if setup.stage_later and not reason and link is not None:
+            self.staging.later(reg, link)  # its rooms go direct until our buffer is there
 
-    # -- a decode's staging area, allocated when we asked for it -------------------------
-    def on_staging_offer(self, msg: StagingOffer) -> None:
-        """The decode we asked sent its staging area: take it on the setup thread (its
-        messages meanwhile wait, so that no staged request overtakes it); or why it has
-        none, and its rooms go direct."""
-        peers = self.ctx.peers
-        with peers.lock:
-            peer = peers.accepted.get(msg.agent_name)
-        if peer is None or not peer.wants_staging or peer.endpoint != (msg.ip, msg.port):
-            self.ctx.reject("unexpected", f"StagingOffer not asked for from {msg.agent_name}")
-            return
-        if msg.staging is None:
-            logger.warning(
-                "sgl-nixl: decode %s has no staging area (%s); its rooms go direct",
-                msg.agent_name,
-                msg.reason,
-            )
-            with peers.lock:
-                peer.wants_staging = False  # chunks that wait for its slots go at SLOT_WAIT
-            return
-        self.setting_up[msg.agent_name] = peer.endpoint
-        self.setup.submit(msg, lambda: self._take_offer(msg, peer))
-
-    def _take_offer(self, msg: StagingOffer, peer: DecodePeer) -> RemoteStaging:
-        """On the setup thread: the decode's NIXL metadata again (it now covers the staging
-        buffer; the link's lists stay valid), and the warm-up WRITE into its spare."""
-        ctx = self.ctx
-        assert msg.staging is not None
-        if ctx.engine.agent.add_peer(msg.agent_metadata) != peer.link.name:
-            raise TransferError("its NIXL metadata names another agent")
-        area = remote_staging(msg.staging)
-        if ctx.settings.warmup and ctx.staging is not None:
-            try:
-                bound = ctx.settings.warmup_timeout_s
-                ctx.engine.warm_staging(peer.link, ctx.staging, area, bound)
-            except TransferError as exc:
-                logger.warning("sgl-nixl: decode %s: staging %s", msg.agent_name, exc)
-        return area
-
-    def _offer_taken(self, msg: StagingOffer, result: Any) -> None:
-        """Control thread: the decode's rooms may stage from now on (or still go direct)."""
-        self.setting_up.pop(msg.agent_name, None)
-        with self.ctx.peers.lock:
-            peer = self.ctx.peers.accepted.get(msg.agent_name)
-            if peer is None or peer.endpoint != (msg.ip, msg.port):
-                return
-            if isinstance(result, RemoteStaging):
-                peer.staging = result
-            else:
-                peer.wants_staging = False
-        if not isinstance(result, RemoteStaging):
-            logger.warning(
-                "sgl-nixl: decode %s: its staging area cannot be used (%r); its rooms go direct",
-                msg.agent_name,
-                result,
-            )
-            return
-        logger.info(
-            "sgl-nixl: decode %s: staged transfers into its %d MiB staging area",
-            msg.agent_name,
-            msg.staging.region.length >> 20 if msg.staging is not None else 0,
+    def _ask_staging(self, peer: DecodePeer) -> None:
+        """Our buffer came after the accept: the same reply again, now asking the decode
+        for its staging area."""
+        one_pass = peer.link.one_pass
+        self.reply(
+            peer.endpoint, peer.agent, window=peer.window, one_pass=one_pass, wants_staging=True
         )
 
     def _warm(
@@ -464,21 +407,3 @@ def _stage_note(stage: PrefillStage, reg: PeerRegistration) -> str:
         return ""
     where = "its own stage" if reg.pp_size == stage.pp_size else "its layers of this stage"
     return f", PP stage {stage.pp_rank}/{stage.pp_size} into decode PP {reg.pp_rank}/{reg.pp_size} ({where})"
-
-
-def _remote_staging(reg: PeerRegistration) -> RemoteStaging | None:
-    """The staging area an older decode sends in its registration (None: none there)."""
-    return remote_staging(reg.staging) if reg.staging is not None else None
-
-
-def remote_staging(area: StagingArea) -> RemoteStaging:
-    """A decode's staging area as this prefill writes it."""
-    r = area.region
-    return RemoteStaging(
-        r.ptr,
-        area.slot_bytes,
-        r.device,
-        r.mem_kind,
-        area.device_uuid,
-        spare_of(r.ptr, r.length, area.slot_bytes),
-    )

@@ -188,7 +188,7 @@ class PrefillControl(ControlLoop):
         elif isinstance(msg, ForeignRegistration):
             self.registrations.on_foreign(msg)
         elif isinstance(msg, StagingOffer):
-            self.registrations.on_staging_offer(msg)
+            self.registrations.staging.on_offer(msg)
         else:
             ctx.reject("unexpected", type(msg).__name__)
 

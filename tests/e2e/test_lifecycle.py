@@ -109,23 +109,27 @@ def test_idle_managers_use_under_5_percent_of_a_core(pair: Pair) -> None:
     the prefill, heartbeats running) each use < 5% of one core over >= 3 s."""
 
     # registered and connected (the connection monitor reports asynchronously: bounded
-    # wait), and, where the prefill stages, the decode's staging area allocated, offered
-    # and taken by the prefill (the decode allocates it after registration, at the
-    # prefill's first staged need: set-up, not idling)
+    # wait), and, where the prefill has staging on, both staging buffers allocated and the
+    # decode's area offered and taken (the prefill allocates after accepting a decode
+    # whose first request waited, the decode when the prefill then asks: set-up, not
+    # idling)
     def settled(st: tuple[dict, dict]) -> bool:
         dec, pre = st
-        stages = pre["tables"].get("count.staging.allocations", 0) > 0
+        tables = pre["tables"]
+        staging_set_up = (
+            "count.staging.allocations" not in tables  # staging off on the prefill
+            or tables["count.staging.alloc_failures"] > 0
+            or (
+                tables["count.staging.allocations"] > 0
+                and tables.get("count.staging.peers", 0) >= 1
+                and dec["tables"].get("count.staging.offers", 0) >= 1
+            )
+        )
         return (
             bool(dec["known"])
             and all(dec["watched"].values())
             and pre["peers"] == [pair.decode.info["agent"]]
-            and (
-                not stages
-                or (
-                    dec["tables"].get("count.staging.offers", 0) >= 1
-                    and pre["tables"].get("count.staging.peers", 0) >= 1
-                )
-            )
+            and staging_set_up
         )
 
     poll_until(lambda: (pair.decode.call("state"), pair.prefill.call("state")), settled, 20)

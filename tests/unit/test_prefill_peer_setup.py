@@ -22,6 +22,7 @@ import zmq
 from helpers.waiting import poll_until
 from helpers.zmq_pair import loopback_pair
 
+from sgl_nixl_plugin.engine.staging_memory import LazyStaging
 from sgl_nixl_plugin.protocol.peers import DecodePeers
 from sgl_nixl_plugin.settings import Settings
 from sgl_nixl_plugin.sides.pipeline_stages import PrefillStage
@@ -222,3 +223,103 @@ def test_a_decode_whose_first_request_waits_gets_a_one_item_warm_up(prefill, req
     assert engine.warm_items == ([1] if request_waits else [None])
     assert (ctl.ctx.warmups, ctl.ctx.light_warmups) == (1, int(request_waits))
     assert not ctl.registrations.request_waits  # forgotten once the setup is done
+
+
+class HeldAllocation:
+    """``LazyStaging``'s ``make``: the allocation lasts until ``release`` is set, then
+    returns a buffer's figures, or raises ``fail``."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.fail = fail
+
+    def __call__(self, agent: Any, nbytes: int, slot_bytes: int, *args: Any) -> Any:
+        self.started.set()
+        self.release.wait(3 * BOUND_S)
+        if self.fail is not None:
+            raise self.fail
+        return types.SimpleNamespace(
+            nbytes=nbytes, num_slots=nbytes // slot_bytes, slot_bytes=slot_bytes
+        )
+
+
+def _staging_registration(agent: str, port: int) -> PeerRegistration:
+    return msgspec.structs.replace(_registration(agent, port), staging_slot_bytes=1 << 20)
+
+
+def _replies(log: list[tuple[str, Any]]) -> list[RegistrationReply]:
+    return [m for _, m in log if isinstance(m, RegistrationReply)]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_waiting_request_does_not_wait_for_our_staging_buffer(prefill, fails):
+    """A decode whose first request already waits for its setup is accepted before our
+    staging buffer is allocated (hundreds of MiB: tens of ms on a host, more on a GPU); its
+    rooms go direct meanwhile, and only once the buffer is there is the decode asked for
+    its area (a second reply). A buffer that cannot be allocated asks nothing: the decode
+    never allocates for us."""
+    ctl, push, log, (port_a, _) = prefill
+    codec, engine = ctl.ctx.codec, ctl.ctx.engine
+    alloc = HeldAllocation(MemoryError("no host memory") if fails else None)
+    ctl.ctx.staging_memory = LazyStaging(None, 4 << 20, 1 << 20, "DRAM", make=alloc)
+    engine.link_release.clear()
+    engine.release.set()
+    push.send_multipart(codec.encode(_staging_registration("decode-a", port_a)))
+    assert engine.linking.wait(BOUND_S), log
+    req = TransferRequest(7, "decode-a", "127.0.0.1", port_a, -1, 1, is_dummy=True)
+    push.send_multipart(codec.encode(req))
+    poll_until(
+        lambda: "decode-a" in ctl.registrations.request_waits, timeout=BOUND_S, interval=0.002
+    )
+    engine.link_release.set()
+    _until(
+        log,
+        "decode-a's reply while our buffer is allocated",
+        lambda m: isinstance(m, RegistrationReply),
+    )
+    (first,) = _replies(log)
+    assert first.accepted and not first.wants_staging, first
+    assert ctl.ctx.peers.accepted["decode-a"].staging_slot_bytes == 0  # its rooms go direct
+    assert alloc.started.wait(BOUND_S), "our buffer is allocated after the accept"
+    assert ctl.ctx.staging is None and len(_replies(log)) == 1
+
+    alloc.release.set()
+    poll_until(lambda: ctl.registrations.setup.completed == 2, timeout=BOUND_S, interval=0.002)
+    peer = ctl.ctx.peers.accepted["decode-a"]
+    if fails:
+        push.send_multipart(codec.encode(Ping("decode-c", "127.0.0.1", 1, 9)))
+        _until(log, "a pong after the failed allocation", lambda m: isinstance(m, Pong))
+        assert len(_replies(log)) == 1 and ctl.ctx.staging is None and not peer.wants_staging
+        assert ctl.ctx.staging_memory.failures == 1
+        return
+    _until(
+        log, "the ask for its area", lambda m: isinstance(m, RegistrationReply) and m.wants_staging
+    )
+    first, second = _replies(log)
+    assert (
+        second.accepted and second.agent_name == "decode-a" and second.kv_window == first.kv_window
+    )
+    assert ctl.ctx.staging is not None and peer.wants_staging
+    assert peer.staging_slot_bytes == 1 << 20  # staged from now on, once its slots come
+
+
+def test_a_decode_registered_ahead_of_its_requests_is_asked_for_its_area_at_once(prefill):
+    """No request waits (a decode that registers at start-up): our buffer is allocated
+    during its setup and the one reply asks for its area, so its first requests carry
+    staging slots."""
+    ctl, push, log, (port_a, _) = prefill
+    codec, engine = ctl.ctx.codec, ctl.ctx.engine
+    alloc = HeldAllocation()
+    ctl.ctx.staging_memory = LazyStaging(None, 4 << 20, 1 << 20, "DRAM", make=alloc)
+    engine.release.set()
+    push.send_multipart(codec.encode(_staging_registration("decode-a", port_a)))
+    assert alloc.started.wait(BOUND_S), log
+    push.send_multipart(codec.encode(Ping("decode-c", "127.0.0.1", 1, 5)))
+    _until(log, "a pong during the allocation", lambda m: isinstance(m, Pong))
+    assert not _replies(log)
+    alloc.release.set()
+    _until(log, "decode-a's reply", lambda m: isinstance(m, RegistrationReply))
+    poll_until(lambda: ctl.registrations.setup.completed == 1, timeout=BOUND_S, interval=0.002)
+    (reply,) = _replies(log)
+    assert reply.accepted and reply.wants_staging and ctl.ctx.staging is not None
