@@ -27,8 +27,10 @@ The clocks:
 * ours / in-tree / old p50, p99 -- per room, as ``sgl-nixl-plugin bench`` measures it in the
   decode process: starts just before the decode's ``receiver.send_metadata(...)``, stops
   when its ``receiver.poll()`` returns Success *and* the room's aux (bootstrap_room) row has
-  landed (SGLang's metadata gate), less any time the prefill's first ``send()`` came after
-  the decode's request (``prefill_late_s``: its "forward pass", not transfer time). It
+  landed (SGLang's metadata gate), less any time the prefill's sender was made after the
+  decode's request (``prefill_late_s``: its "forward pass", not transfer time; before
+  this release the clock also left out the request's way to the prefill, up to its
+  WaitingForInput, and an ``--old`` tree from then still does). It
   includes the decode's loop: with concurrency 8 a room's Success is seen once the loop
   has polled (and, unless ``--no-verify``, byte-checked) the rooms finished before it.
   Only steady rooms count: the first room to the prefill carries the pair's handshake

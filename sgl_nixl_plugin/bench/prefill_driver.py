@@ -62,6 +62,7 @@ class PrefillRoom:
     pages: np.ndarray
     slot: int
     t0: float
+    open_wall: float  # the sender made (wall clock): the room's "forward pass" is over
     hold: bool = False  # send every chunk but the last until ``release``
     sent: bool = False  # init() called: the decode's request arrived
     parts: list[np.ndarray] = field(default_factory=list)
@@ -150,7 +151,7 @@ class PrefillDriver(SideDriver):
         sender = self.cls["sender"](
             mgr=self.mgr, bootstrap_addr=self.bootstrap_addr, bootstrap_room=r.room
         )
-        ctx = PrefillRoom(r, sender, pages, slot, time.perf_counter(), hold=hold)
+        ctx = PrefillRoom(r, sender, pages, slot, time.perf_counter(), time.time(), hold=hold)
         self.active[r.room] = ctx
         return ctx
 
@@ -240,6 +241,7 @@ class PrefillDriver(SideDriver):
         res = {
             "ok": ok,
             "send_wall": ctx.send_wall,
+            "open_wall": ctx.open_wall,
             "reason": reason,
             "control_us": ctx.control_us,
             "ready_ms": ((ctx.ready_seen or ctx.t0) - ctx.t0) * 1e3,

@@ -128,15 +128,18 @@ class SessionResult:
                         prev["handshake_parts"] = r.get("handshake_parts")
                     prev["reason"] = prev.get("reason") or r.get("reason")
         # The clock of a transfer starts once both sides are ready: the decode's request sent
-        # and the prefill's first send() (its "forward pass", here filling the pages, may end
+        # and the prefill's sender made (its "forward pass", here filling the pages, may end
         # after the request arrived); the part spent waiting for the prefill is kept apart.
-        sent: dict[int, float] = {}
+        # What follows the sender's making is ours and counts: the request reaching the
+        # prefill, the pair's set-up (a fresh pair's first room waits for it there) and the
+        # room's filing, up to WaitingForInput.
+        opened: dict[int, float] = {}
         for res in self.prefill.values():
             for room, r in res.get("results", {}).items():
-                if r.get("send_wall") is not None:
-                    sent[room] = max(sent.get(room, 0.0), r["send_wall"])
+                if r.get("open_wall") is not None:
+                    opened[room] = max(opened.get(room, 0.0), r["open_wall"])
         for room, r in out.items():
-            late = max(0.0, sent.get(room, 0.0) - r.get("wall0", 0.0))
+            late = max(0.0, opened.get(room, 0.0) - r.get("wall0", 0.0))
             if late and "latency_s" in r:
                 r["prefill_late_s"] = min(late, r["latency_s"])
                 r["latency_s"] -= r["prefill_late_s"]

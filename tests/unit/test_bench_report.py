@@ -56,15 +56,43 @@ def test_a_session_with_one_request_has_no_steady_state():
 
 
 def test_a_transfer_is_timed_from_when_both_sides_are_ready():
-    """A prefill that sends (ends its forward pass) after the decode's request arrived: the
-    wait for it is kept apart, not counted as transfer time; a prefill already waiting
-    changes nothing."""
+    """A prefill that makes its sender (ends its forward pass) after the decode's request
+    arrived: the wait for it is kept apart, not counted as transfer time; a prefill already
+    waiting changes nothing."""
     w = Workload(shape=PRESETS["tiny"], page_size=16, requests=2)
     decode = {(0, 0): {"results": {1: _room(10.0, 600.0), 2: _room(20.0, 30.0)}}}
-    prefill = {(0, 0): {"results": {1: {"ok": True, "send_wall": 10.5}, 2: {"send_wall": 19.0}}}}
+    prefill = {
+        (0, 0): {
+            "results": {
+                1: {"ok": True, "open_wall": 10.5, "send_wall": 10.502},
+                2: {"open_wall": 19.0, "send_wall": 20.001},
+            }
+        }
+    }
     rooms = SessionResult(SessionConfig(w), 30.0, prefill, decode, []).decode_results()
     assert round(rooms[1]["latency_s"], 6) == 0.1 and round(rooms[1]["prefill_late_s"], 6) == 0.5
     assert rooms[2]["latency_s"] == 0.03 and "prefill_late_s" not in rooms[2]
+
+
+def test_the_wait_for_our_set_up_counts_though_the_prefill_sees_the_request_late():
+    """The prefill's sender was made before the decode's request, but the prefill saw the
+    request (WaitingForInput) 40 ms after it: the request crossing over, a fresh pair's
+    set-up (registration, link, warm-up) and the room's filing are the backend's time and
+    count (before, the 40 ms were subtracted as the prefill's lateness, and a first room
+    of a fresh pair reported a fraction of what its user waited)."""
+    w = Workload(shape=PRESETS["tiny"], page_size=16, requests=2)
+    decode = {(0, 0): {"results": {1: _room(10.0, 60.0), 2: _room(20.0, 15.0)}}}
+    prefill = {
+        (0, 0): {
+            "results": {
+                1: {"ok": True, "open_wall": 9.9, "send_wall": 10.04},
+                2: {"ok": True, "open_wall": 19.99, "send_wall": 20.0003},
+            }
+        }
+    }
+    rooms = SessionResult(SessionConfig(w), 30.0, prefill, decode, []).decode_results()
+    assert rooms[1]["latency_s"] == 0.06 and "prefill_late_s" not in rooms[1]
+    assert rooms[2]["latency_s"] == 0.015 and "prefill_late_s" not in rooms[2]
 
 
 def test_the_first_request_is_clocked_from_the_decodes_request_handshake_included():
