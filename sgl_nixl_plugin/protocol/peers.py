@@ -21,6 +21,7 @@ class DecodePeer:
     staging: RemoteStaging | None = None
     window: tuple[int, ...] | None = None  # its KV regions we write (a PP stage's); None: all
     wants_staging: bool = False  # we asked for its staging area (sent in a ``StagingOffer``)
+    may_stage: bool = False  # it may take staged transfers; nothing set up until one is due
 
     @property
     def staging_slot_bytes(self) -> int:

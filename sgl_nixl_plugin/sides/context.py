@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,9 @@ class PrefillContext(SideBase):
     gpu: int = 0  # this rank's CUDA device (VRAM KV)
     device_uuid: str = ""  # its UUID ("" for host memory): a peer on the same GPU shows it
     fallbacks: int = 0  # staged chunks sent direct: no receiver slot in time
+    # the worker's call when the path rule would stage a chunk to a decode that may take
+    # staged transfers but has no staging set up yet (``StagingAsks.need``)
+    staging_need: Callable[[Any], None] | None = None
     warmups: int = 0  # decodes whose padding page took the first WRITE at registration
     light_warmups: int = 0  # of which one item only: their first request was waiting
     host_warmups: int = 0  # decodes whose scratch buffer took a host-to-host WRITE then

@@ -55,7 +55,7 @@ class Setup:
     window: tuple[int, ...] | None = None
     one_pass: str = ""
     wants_staging: bool = False  # ask the decode for its staging area (``StagingOffer``)
-    stage_later: bool = False  # it may stage, our buffer comes after the accept
+    stage_later: bool = False  # it may stage: set up at its first chunk the rule would stage
     reason: str = ""
     unreachable: str = ""
 
@@ -75,6 +75,7 @@ class DecodeRegistrations:
         self.request_waits: set[str] = set()
         self.setup = SetupThread("sgl-nixl-prefill-setup", interrupt)
         self.staging = StagingAsks(ctx, self.setup, self.setting_up, self._ask_staging)
+        ctx.staging_need = self.staging.need
 
     def waits_for_setup(self, msg: Any) -> bool:
         """Whether ``msg`` comes from a decode whose registration is still being set up
@@ -223,8 +224,9 @@ class DecodeRegistrations:
             local_uuid=ctx.device_uuid,
         )
         may_stage = self.staging.may_stage(reg, link)
-        # our buffer now only if no request of this decode waits (it would wait for it)
-        stages = may_stage and self.staging.ready_now(reg, reg.agent_name in self.request_waits)
+        # our buffer is taken at the first chunk the rule would stage, not here (unless
+        # every chunk is to be staged)
+        stages = may_stage and self.staging.ready_now(reg)
         area = registered_staging(reg) if stages else None
         warm_ms = self._warm(link, reg.agent_name, area, reg.scratch, light)
         if stages and not geometry.is_whole_items:
@@ -296,6 +298,7 @@ class DecodeRegistrations:
                     staging=registered_staging(reg),
                     window=setup.window,
                     wants_staging=setup.wants_staging,
+                    may_stage=setup.stage_later,
                 )
                 peers.refused.pop(reg.agent_name, None)
         if old_link is not None:
@@ -330,8 +333,6 @@ class DecodeRegistrations:
             one_pass=link.one_pass if not reason and link is not None else None,
             wants_staging=setup.wants_staging and not reason,
         )
-        if setup.stage_later and not reason and link is not None:
-            self.staging.later(reg, link)  # its rooms go direct until our buffer is there
 
     def _ask_staging(self, peer: DecodePeer) -> None:
         """Our buffer came after the accept: the same reply again, now asking the decode

@@ -68,6 +68,7 @@ class PrefillSide:
             1 for p in self.ctx.peers.accepted.values() if p.link.one_pass is not None
         )
         out["count.staging.fell_back"] = self.ctx.fallbacks
+        out["count.staging.needs"] = self.control.registrations.staging.needs
         if self.ctx.staging_memory is not None:
             out.update(self.ctx.staging_memory.counts())
         out["count.staging.peers"] = sum(

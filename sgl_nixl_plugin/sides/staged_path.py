@@ -118,18 +118,24 @@ class StagedPath:
         possible = bool(g and credits is not None and unit_len and unit_len <= slot and len(src))
         n = len(src)
         mode = ctx.settings.transfer_path
+        # the estimate counts runs over every page: only the cost rule needs it
+        descriptors = (
+            0
+            if not g or mode in ("direct", "staging")
+            else expected_descriptors(src, dst, g.num_regions, g.geometry)
+        )
+        nbytes = 0 if not g else g.unit_bytes * n
         path = choose_path(
             mode=mode,
-            # the estimate counts runs over every page: only the cost rule needs it
-            descriptors=0
-            if not g or mode in ("direct", "staging")
-            else expected_descriptors(src, dst, g.num_regions, g.geometry),
-            nbytes=0 if not g else g.unit_bytes * n,
+            descriptors=descriptors,
+            nbytes=nbytes,
             mem_kind=ctx.mem_kind,
             slot_bytes=staging.slot_bytes if staging is not None else 1,
             staging_possible=possible,
         )
         if path != "staging":
+            if peer.may_stage and unit_len and len(src):
+                self._need_if_due(peer, unit_len, descriptors, nbytes)
             return None
         assert g is not None and credits is not None and staging is not None and unit_len
         geo = g.geometry
@@ -158,6 +164,27 @@ class StagedPath:
             drain_timeout_s=ctx.settings.abort_drain_timeout_s,
         )
         return StagedJob(send, info, peer, first, n, src, dst, by_token=g.by_token)
+
+    def _need_if_due(self, peer: DecodePeer, unit_len: int, descriptors: int, nbytes: int) -> None:
+        """``peer`` may take staged transfers but nothing is set up for it: if the rule
+        would stage this chunk with both buffers there, have them set up (the chunk goes
+        direct)."""
+        ctx, memory = self.ctx, self.ctx.staging_memory
+        if memory is None or memory.error or ctx.staging_need is None:
+            return
+        reg = peer.reg
+        theirs = reg.staging.slot_bytes if reg.staging is not None else reg.staging_slot_bytes
+        slot = min(memory.slot_bytes, theirs) if theirs else 0
+        would = choose_path(
+            mode=ctx.settings.transfer_path,
+            descriptors=descriptors,
+            nbytes=nbytes,
+            mem_kind=ctx.mem_kind,
+            slot_bytes=memory.slot_bytes,
+            staging_possible=0 < unit_len <= slot,
+        )
+        if would == "staging":
+            ctx.staging_need(peer)
 
     def step(self, rec: PrefillRoom) -> int:
         """Advance the room's staged jobs; tell decodes about landed pieces.

@@ -1,11 +1,13 @@
 """A prefill's staged path to one decode: our staging buffer and the decode's area, set up
-off the path of any request.
+at the first chunk the path rule would stage, off the path of any request.
 
-Our buffer (hundreds of MiB, allocated and NIXL-registered at first need: tens of ms on a
-host, more on a loaded one) is taken while a decode is set up only when none of its
-requests waits yet (a decode that registers at start-up). A decode whose first request
-already waits is accepted at once with its rooms going direct, and the buffer follows on
-the setup thread; only then is the decode asked for its area (a second
+Our buffer (hundreds of MiB, allocated, touched and NIXL-registered: tens to hundreds of ms
+on a loaded host) and the decode's are taken only when a chunk to that decode would be
+staged (``need``, from the transfer worker; that chunk goes direct), not when the decode is
+set up: a pair whose chunks all go direct (large pages, one pass) holds none, and a pair
+learned from a request does not allocate while its first requests run. With
+``TRANSFER_PATH=staging`` every chunk is to be staged, so the buffer is taken during the
+set-up. Once ours is there the decode is asked for its area (a second
 ``RegistrationReply``, ``wants_staging``), so a prefill that cannot allocate never makes a
 decode allocate for nothing. The decode's area comes back in a ``StagingOffer``: its NIXL
 metadata is loaded on the setup thread while the decode's messages wait, so that no slot
@@ -18,6 +20,7 @@ owns the peer tables.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +62,8 @@ class StagingAsks:
         self.setup = setup
         self.setting_up = setting_up
         self._ask = ask
+        self.needs = 0  # decodes whose staging a chunk asked for (``count.staging.needs``)
+        self._lock = threading.Lock()
 
     # -- while the decode is set up (setup thread) ------------------------------------------
     def may_stage(self, reg: PeerRegistration, link: PeerLink) -> bool:
@@ -70,20 +75,27 @@ class StagingAsks:
             return False
         return link.one_pass is None or bool(reg.host_kv)
 
-    def ready_now(self, reg: PeerRegistration, request_waits: bool) -> bool:
-        """Our buffer for a decode we may stage into: allocated now unless a request of
-        the decode already waits for its setup (then it comes after the accept, and that
-        request goes direct), or every request is to be staged (``TRANSFER_PATH=staging``).
-        Whether it is there now."""
+    def ready_now(self, reg: PeerRegistration) -> bool:
+        """Our buffer for a decode we may stage into, if it is there already (another
+        decode's chunk needed it), or now when every chunk is to be staged
+        (``TRANSFER_PATH=staging``); else a chunk's ``need`` takes it later."""
         memory = self.ctx.staging_memory
-        now = not request_waits or self.ctx.settings.transfer_path == "staging"
-        if self.ctx.staging is None and memory is not None and now:
+        forced = self.ctx.settings.transfer_path == "staging"
+        if self.ctx.staging is None and memory is not None and forced:
             self.ctx.staging = memory.ensure(f"decode {reg.agent_name} may take staged transfers")
         return self.ctx.staging is not None
 
-    # -- after the accept -------------------------------------------------------------------
-    def later(self, reg: PeerRegistration, link: PeerLink) -> None:
-        """The decode was accepted without our buffer: ready it on the setup thread."""
+    # -- at the first chunk the rule would stage ----------------------------------------------
+    def need(self, peer: DecodePeer) -> None:
+        """Transfer worker: the path rule would stage a chunk to ``peer``, which has no
+        staging set up (the chunk goes direct). Ready our buffer on the setup thread and
+        then ask the decode for its area; once per decode."""
+        with self._lock:
+            if not peer.may_stage:
+                return
+            peer.may_stage = False
+            self.needs += 1
+        reg, link = peer.reg, peer.link
         self.setup.submit(OwnBuffer(reg), lambda: self._prepare(reg, link))
 
     def _prepare(self, reg: PeerRegistration, link: PeerLink) -> bool:

@@ -55,6 +55,38 @@ def test_a_pair_that_never_stages_holds_no_staging_memory() -> None:
     assert decode["count.staging.offers"] == 0 and prefill["count.staging.peers"] == 0
 
 
+def test_a_pair_whose_chunks_all_go_direct_by_the_rule_holds_no_staging_memory() -> None:
+    """The path rule (``TRANSFER_PATH=auto``) sends every chunk of contiguous pages direct: a
+    pair learned from its first request allocates nothing on either side (before, both
+    took 128 MiB of host memory at the pair's set-up, inside its first requests: the main
+    job ran 12-15% slower)."""
+    w = workload("tiny", 16, requests=8, fragmentation="contiguous")
+    res = run_pd(w)
+    assert_clean(res)
+    (decode,) = _tables(res, "decode")
+    (prefill,) = _tables(res, "prefill")
+    assert _staging(prefill) == (0, 0, 0), prefill
+    assert _staging(decode) == (0, 0, 0), decode
+    assert decode["count.staging.offers"] == 0 and prefill["count.staging.peers"] == 0
+    assert prefill["count.staging.needs"] == 0, prefill
+
+
+def test_the_first_chunk_the_rule_would_stage_sets_staging_up() -> None:
+    """Pages of one token, scattered (``TRANSFER_PATH=auto``): the first chunk the rule
+    would stage goes direct and has both buffers allocated, once each; later rooms are
+    staged; every byte lands."""
+    w = workload("tiny", 1, requests=12, min_tokens=64, max_tokens=160)
+    res = run_pd(w, env={k: v for k, v in STAGED.items() if "PATH" not in k})
+    assert_clean(res)
+    (decode,) = _tables(res, "decode")
+    (prefill,) = _tables(res, "prefill")
+    assert prefill["count.staging.needs"] == 1, prefill
+    assert _staging(prefill) == (HELD, 1, 0), prefill
+    assert _staging(decode) == (HELD, 1, 0), decode
+    assert decode["count.staging.offers"] == 1 and prefill["count.staging.peers"] == 1
+    assert decode["count.staging.prepared"] > 0, decode  # later rooms were staged
+
+
 def test_the_first_staged_room_allocates_once_on_each_side() -> None:
     """A decode that registers at start-up: the prefill takes its buffer when it sets the
     decode up, the decode when that prefill asks; every room is then staged, byte-exact,
