@@ -148,6 +148,26 @@ def _until(log: list[tuple[str, Any]], what: str, pred: Any) -> None:
     assert any(pred(m) for _, m in log), f"{what} within {BOUND_S:.0f}s: {log}"
 
 
+def _register_while_linking(
+    ctl: PrefillControl, push: Any, log: list, reg: PeerRegistration, request_waits: bool
+) -> None:
+    """``reg`` arrives and its link is held (the test releases ``engine.link_release``);
+    with ``request_waits`` a request of that decode arrives meanwhile and waits."""
+    codec, engine = ctl.ctx.codec, ctl.ctx.engine
+    engine.link_release.clear()
+    engine.release.set()
+    push.send_multipart(codec.encode(reg))
+    assert engine.linking.wait(BOUND_S), log
+    if request_waits:
+        req = TransferRequest(7, reg.agent_name, "127.0.0.1", reg.port, -1, 1, is_dummy=True)
+        push.send_multipart(codec.encode(req))
+        poll_until(
+            lambda: reg.agent_name in ctl.registrations.request_waits,
+            timeout=BOUND_S,
+            interval=0.002,
+        )
+
+
 def test_the_loop_answers_others_while_a_decode_is_set_up_and_its_messages_wait(prefill):
     ctl, push, log, (port_a, port_b) = prefill
     codec, engine = ctl.ctx.codec, ctl.ctx.engine
@@ -206,16 +226,7 @@ def test_a_decode_whose_first_request_waits_gets_a_one_item_warm_up(prefill, req
     (at start-up) gets the whole one."""
     ctl, push, log, (port_a, _) = prefill
     codec, engine = ctl.ctx.codec, ctl.ctx.engine
-    engine.link_release.clear()
-    engine.release.set()
-    push.send_multipart(codec.encode(_registration("decode-a", port_a)))
-    assert engine.linking.wait(BOUND_S), log
-    if request_waits:
-        req = TransferRequest(7, "decode-a", "127.0.0.1", port_a, -1, 1, is_dummy=True)
-        push.send_multipart(codec.encode(req))
-        poll_until(
-            lambda: "decode-a" in ctl.registrations.request_waits, timeout=BOUND_S, interval=0.002
-        )
+    _register_while_linking(ctl, push, log, _registration("decode-a", port_a), request_waits)
     push.send_multipart(codec.encode(Ping("decode-c", "127.0.0.1", 1, 3)))
     _until(log, "a pong while linking", lambda m: isinstance(m, Pong))
     engine.link_release.set()
@@ -266,16 +277,9 @@ def test_staging_is_set_up_at_the_first_chunk_that_would_stage(prefill, fails, r
     codec, engine = ctl.ctx.codec, ctl.ctx.engine
     alloc = HeldAllocation(MemoryError("no host memory") if fails else None)
     ctl.ctx.staging_memory = LazyStaging(None, 4 << 20, 1 << 20, "DRAM", make=alloc)
-    engine.link_release.clear()
-    engine.release.set()
-    push.send_multipart(codec.encode(_staging_registration("decode-a", port_a)))
-    assert engine.linking.wait(BOUND_S), log
-    if request_waits:
-        req = TransferRequest(7, "decode-a", "127.0.0.1", port_a, -1, 1, is_dummy=True)
-        push.send_multipart(codec.encode(req))
-        poll_until(
-            lambda: "decode-a" in ctl.registrations.request_waits, timeout=BOUND_S, interval=0.002
-        )
+    _register_while_linking(
+        ctl, push, log, _staging_registration("decode-a", port_a), request_waits
+    )
     engine.link_release.set()
     _until(log, "decode-a's reply", lambda m: isinstance(m, RegistrationReply))
     poll_until(lambda: ctl.registrations.setup.completed == 1, timeout=BOUND_S, interval=0.002)
