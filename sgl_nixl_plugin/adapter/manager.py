@@ -326,6 +326,15 @@ class NixlPluginKVManager(CommonKVManager):
             return self.decode.rooms.release_safe(bootstrap_room)
         return super().is_abort_release_safe(bootstrap_room, required_acks)
 
+    def update_status(self, bootstrap_room: int, status: KVPoll) -> None:
+        """SGLang's, and on a decode a Failed it sets by itself (its timeouts, a failed
+        bootstrap) reaches the room's machine at once, not at the receiver's next poll: a
+        prefill's Failed that comes in between then overwrites neither SGLang's reason
+        nor its count."""
+        super().update_status(bootstrap_room, status)
+        if status == KVPoll.Failed and (decode := getattr(self, "decode", None)) is not None:
+            decode_status.failed_here(decode.ctx, bootstrap_room)
+
     def record_failure(self, bootstrap_room: int, failure_reason: str) -> None:
         """SGLang's, and on a decode each failed room's first reason is counted in
         ``sgl_nixl_failures_total`` (lost prefills, refusals, aborts; a prefill counts its

@@ -85,10 +85,6 @@ class SGLangRooms:
     def is_failed_or_gone(self, room: int) -> bool:
         return self._m.request_status.get(room) in (None, KVPoll.Failed)
 
-    def is_pending(self, room: int) -> bool:
-        """Waiting for data: its prefill ranks owe this decode something."""
-        return self._m.request_status.get(room) in (KVPoll.WaitingForInput, KVPoll.Transferring)
-
     def fail(self, room: int, reason: str) -> bool:
         """Fail an open room here only (no message to the peer); whether it was open."""
         with self.outcome_lock:

@@ -291,6 +291,11 @@ class DecodeMachine:
         return []
 
     # -- what the phase and the drain say ---------------------------------------------------
+    def owes_data(self) -> bool:
+        """Its prefill ranks still owe it data: SGLang holds it, no abort went out, and no
+        outcome is decided (liveness watches those ranks closely)."""
+        return self.phase.live and self.phase is not DecodePhase.ABORTED and self.outcome is None
+
     def undrained(self) -> set[Endpoint]:
         """Prefill ranks that may still write into this room's pages."""
         return self.sent_to - self.acked

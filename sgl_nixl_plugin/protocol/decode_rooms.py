@@ -248,14 +248,13 @@ class DecodeRooms:
         with self.lock:
             return [rec.room for rec in self.records() if endpoint in rec.endpoints]
 
-    def endpoints_of(self, rooms_pending: Callable[[int], bool]) -> set[Endpoint]:
-        """Prefill ranks that serve a room for which ``rooms_pending(room)`` holds."""
-        with self.lock:
-            recs = self.records()
+    def pending_endpoints(self) -> set[Endpoint]:
+        """Prefill ranks that serve a room whose data they still owe (``owes_data``)."""
         out: set[Endpoint] = set()
-        for rec in recs:
-            if rooms_pending(rec.room):
-                out |= rec.endpoints
+        with self.lock:
+            for rec in self._rooms.values():
+                if rec.owes_data():
+                    out |= rec.endpoints
         return out
 
     # -- host-pool destinations ---------------------------------------------------------

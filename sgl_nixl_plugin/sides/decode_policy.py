@@ -36,7 +36,7 @@ class DecodePolicy:
         """Prefill ranks that owe this decode data for some room, or an abort ACK for a
         host room."""
         rooms = self.ctx.rooms
-        return rooms.endpoints_of(self.ctx.sglang.is_pending) | rooms.drain_endpoints()
+        return rooms.pending_endpoints() | rooms.drain_endpoints()
 
     def known_endpoints(self) -> set[Endpoint]:
         """Every prefill rank this decode has a cached route to or a warm link with

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from sgl_nixl_plugin.protocol.decode_machine import FailedHere, StatusIn
 from sgl_nixl_plugin.protocol.decode_rooms import DecodePhase, DecodeRooms
 
 P5, P6, P9 = ("127.0.0.1", 5), ("127.0.0.1", 6), ("127.0.0.1", 9)
@@ -28,9 +29,28 @@ def test_a_room_record_lives_from_init_to_clear():
     assert rooms.next_target(7) == P5 and rooms.next_target(7) is None
     rooms.end_requests(7)
     assert rec.phase is DecodePhase.RECEIVING
-    assert rooms.rooms_served_by(P5) == [7] and rooms.endpoints_of(lambda r: r == 7) == {P5}
+    assert rooms.rooms_served_by(P5) == [7] and rooms.pending_endpoints() == {P5}
     rooms.close(7, ok=True)
     assert rec.phase is DecodePhase.SUCCEEDED and 7 not in rooms and rooms.rooms_served_by(P5) == []
+    _drained(rooms)
+
+
+def test_a_rooms_prefill_ranks_owe_it_data_until_its_outcome_or_abort():
+    """Liveness watches closely the ranks whose data a room still waits for: the room's
+    machine says which (its phase and outcome), not SGLang's status table."""
+    rooms = DecodeRooms(4)
+    for room, ep in ((7, P5), (8, P6), (9, P9)):
+        rooms.open(room, {ep})
+    assert rooms.pending_endpoints() == {P5, P6, P9}
+    rooms.feed(7, StatusIn(0, True, "", expected=2))  # one of two senders
+    assert rooms.pending_endpoints() == {P5, P6, P9}
+    rooms.feed(7, StatusIn(1, True, "", expected=2))  # the room's Success
+    rooms.feed(8, FailedHere())  # SGLang failed it (a timeout)
+    assert rooms.pending_endpoints() == {P9}
+    rooms.aborted(9)
+    assert rooms.pending_endpoints() == set()
+    for room in (7, 8, 9):
+        rooms.close(room, ok=room == 7)
     _drained(rooms)
 
 

@@ -44,9 +44,6 @@ class Tables:
         self.status: dict[int, int] = {}
         self.applied: list[tuple[int, int, int]] = []
 
-    def is_pending(self, room: int) -> bool:
-        return self.status.get(room) == PENDING
-
     def is_open(self, room: int) -> bool:
         return self.status.get(room) not in (None, 0, SUCCESS)
 

@@ -315,6 +315,29 @@ def test_success_cannot_override_a_failure_or_recreate_a_cleared_room(cluster, r
     mgr.failure_records.pop(room, None)
 
 
+def test_a_failure_sglang_sets_itself_keeps_its_reason_over_a_prefill_failure(
+    cluster, rooms, fake_rank
+):
+    """SGLang fails an open room by itself (its waiting timeout: the status, then the
+    reason) before the scheduler polls it again; a prefill's Failed that arrives in between
+    is not applied over it: SGLang's reason stays."""
+    KVPoll = cluster.KVPoll
+    mgr = cluster.decode
+    room = rooms()
+    prefill = fake_rank("prefill")
+    receiver = _on_fake_prefills(cluster, room, [prefill])
+    mgr.decode.rooms.open(room, {(prefill.ip, prefill.port)})  # as our ``init`` opens it
+    mgr.required_prefill_response_num_table[room] = 1
+    mgr.update_status(room, KVPoll.Failed)
+    mgr.record_failure(room, "Timed out waiting for prefill completion")
+    prefill.send(mgr.rank_port, _status(prefill, room, KVPoll.Failed, 0, "remote write failed"))
+    prefill.round_trip(mgr.rank_port)
+    assert mgr.failure_records[room] == "Timed out waiting for prefill completion"
+    assert receiver.poll() == KVPoll.Failed
+    receiver.clear()
+    mgr.failure_records.pop(room, None)
+
+
 def test_a_failure_from_another_rank_overrides_a_local_success(cluster, rooms):
     from sglang.srt.disaggregation.common.conn import KVTransferError
 
