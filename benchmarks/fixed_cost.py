@@ -50,6 +50,11 @@ The clocks:
   outside the clock. ``--write-repeats`` timed WRITEs (default: the cell's request count)
   after 5 untimed ones (the link's wire-up), all on one link. The two agents share this
   process, where each session's prefill and decode are two processes.
+* CPU ms/room -- the CPU time (every thread, ``time.process_time``) of the session's prefill
+  and decode processes from their manager's start to their last room's end, over the
+  session's rooms: what the backend's threads (and a NIXL progress thread, which SGLang's
+  in-tree backend runs) cost beside the bench loops' own work on the pages, which is the
+  same for every backend. It includes the pair's set-up, spread over the rooms.
 * fixed cost p50 -- a backend's p50 minus the WRITE-alone p50 of the same cell. It keeps
   whatever the backend does besides moving the KV bytes: control messages, the aux row's
   WRITE and the completion signal, the threads' hand-offs, the decode's polling. At page
@@ -111,6 +116,11 @@ class Run:
     package: str = ""
     errors: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # both ranks' processes while their rooms ran, over ``cpu_rooms``
+    cpu_rooms: int = 0
+
+    def cpu_ms_per_room(self) -> float | None:
+        return self.cpu_s / self.cpu_rooms * 1e3 if self.cpu_rooms else None
 
     def pct(self, q: float) -> float | None:
         return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else None
@@ -160,6 +170,7 @@ def session_worker(spec_path: str) -> int:
         "rooms": rooms,
         "summary": summarize(result),
         "errors": result.errors,
+        "cpu_s": result.cpu_s() if hasattr(result, "cpu_s") else None,
     }
     Path(spec["out"]).write_text(json.dumps(out))
     return 0
@@ -191,6 +202,9 @@ def add_rooms(run: Run, doc: dict[str, Any]) -> None:
     run.path = summary.get("path", run.path)
     run.wall_s += float(summary.get("wall_s") or 0.0)
     rooms = doc.get("rooms", [])
+    if doc.get("cpu_s") is not None and rooms:
+        run.cpu_s += float(doc["cpu_s"])
+        run.cpu_rooms += len(rooms)
     ok = [r for r in rooms if r["ok"]]
     run.failed += int(summary.get("failed", len(rooms) - len(ok)))
     run.corrupt_pages += sum(int(r.get(k) or 0) for r in ok for k in ("bad_pages", "bad_aux"))
@@ -297,6 +311,7 @@ def rows_of(cells: list[dict[str, Any]], with_old: bool) -> tuple[list[str], lis
     if with_old:
         head += ["old p50", "old p99", "ours/old"]
     head += ["WRITE p50", "fixed ours", "fixed in-tree"] + (["fixed old"] if with_old else [])
+    head += ["CPU ms/room ours", "in-tree"] + (["old"] if with_old else [])
     head += ["steady rooms", "path ours"]
     body = []
     for c in cells:
@@ -310,6 +325,7 @@ def rows_of(cells: list[dict[str, Any]], with_old: bool) -> tuple[list[str], lis
         if with_old:
             row.append(fmt(minus(c["old"]["p50_ms"], w)))
         keys = ["ours", "in-tree"] + (["old"] if with_old else [])
+        row += [fmt(c[k]["cpu_ms_per_room"]) for k in keys]
         row.append("/".join(str(c[k]["steady"]) for k in keys))
         row.append(o["path"])
         body.append(row)
@@ -368,6 +384,7 @@ def summary_of(run: Run) -> dict[str, Any]:
         "path": run.path,
         "package": run.package,
         "wall_s": run.wall_s,
+        "cpu_ms_per_room": run.cpu_ms_per_room(),
         "errors": run.errors,
     }
 

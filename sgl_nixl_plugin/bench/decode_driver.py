@@ -402,6 +402,7 @@ class DecodeDriver(SideDriver):
             "host_pages_held": sorted(self.held),  # failed host rooms never said safe
             "tables": self.tables(),
             "ready_s": self.ready_s,
+            "cpu_s": self.cpu_s(),
         }
 
 

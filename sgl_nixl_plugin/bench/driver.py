@@ -105,6 +105,7 @@ class SideDriver:
         self.deadline = time.monotonic() + spec.deadline_s  # restarted once the manager is up
         self.mgr: Any = None
         self.bell: StatusBell | None = None
+        self._cpu0 = 0.0
 
     def open_manager(self) -> Any:
         """The backend's KV manager, built as SGLang's queue builds it, with a bell on it."""
@@ -116,7 +117,13 @@ class SideDriver:
         )
         self.bell = StatusBell(self.mgr)
         self.deadline = time.monotonic() + self.spec.deadline_s
+        self._cpu0 = time.process_time()
         return self.mgr
+
+    def cpu_s(self) -> float:
+        """CPU seconds this rank's process spent (every thread: the backend's and the
+        bench loop's own work on pages) since its manager was up."""
+        return time.process_time() - self._cpu0
 
     def tables(self) -> dict[str, int]:
         return room_tables(self.mgr)

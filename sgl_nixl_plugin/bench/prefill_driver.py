@@ -299,12 +299,13 @@ def run_prefill(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, Any
         driver.step()
         driver.wait()
     timed_out = [r.room for r in driver.pending] + list(driver.active)
+    cpu_s = driver.cpu_s()  # its rooms ended: not the wait for the decodes below
     done.wait(timeout=max(1.0, driver.deadline - time.monotonic()))
     driver.attach_reports()
     time.sleep(0.2)  # let the last status frames leave before the sockets close
     tables = driver.tables()
     driver.close()
-    out = {"results": driver.results, "timed_out": timed_out, "tables": tables}
+    out = {"results": driver.results, "timed_out": timed_out, "tables": tables, "cpu_s": cpu_s}
     ipc = sys.modules.get("sgl_nixl_plugin.engine.cuda_ipc")
     if ipc is not None:  # CUDA IPC mappings still open after the manager closed: 0
         out["ipc_open"] = ipc.open_mappings()

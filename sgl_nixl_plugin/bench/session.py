@@ -109,6 +109,14 @@ class SessionResult:
     errors: list[str]
     processes: dict[str, Any] = field(default_factory=dict)
 
+    def cpu_s(self) -> float | None:
+        """CPU seconds of every prefill and decode rank while its rooms ran (None when a
+        rank did not say)."""
+        ranks = [*self.prefill.values(), *self.decode.values()]
+        if not ranks or any(r.get("cpu_s") is None for r in ranks):
+            return None
+        return float(sum(r["cpu_s"] for r in ranks))
+
     def decode_results(self) -> dict[int, dict[str, Any]]:
         """Per room, merged across decode ranks (a room is ok only if every rank is)."""
         out: dict[int, dict[str, Any]] = {}

@@ -109,3 +109,12 @@ def test_the_first_request_is_clocked_from_the_decodes_request_handshake_include
     text = table([s])
     assert "70.0 / 10.0 ms (7.00x per byte)" in text
     assert "of which handshake" in text and "60.0 ms (after it: 10.0 ms, 1.00x)" in text
+
+
+def test_the_cpu_of_a_session_is_every_ranks_or_unknown():
+    w = Workload(PRESETS["tiny"], requests=2)
+    prefill = {(0, 0): {"results": {}, "cpu_s": 0.5}, (0, 1): {"results": {}, "cpu_s": 0.25}}
+    decode = {(0, 0): {"results": {}, "cpu_s": 1.0}}
+    assert SessionResult(SessionConfig(w), 3.0, prefill, decode, []).cpu_s() == 1.75
+    decode[(0, 1)] = {"error": "Traceback ..."}  # a rank that did not say
+    assert SessionResult(SessionConfig(w), 3.0, prefill, decode, []).cpu_s() is None
