@@ -76,9 +76,10 @@ class TritonCopier(GpuCopier):
     @map_units.setter
     def map_units(self, on: bool) -> None:
         if on and self._mapped_ok is None:
+            # reserved first, so the self-test reads one of them instead of pinning a
+            # buffer of its own beside the reserve (a GPU that fails it keeps them idle)
+            self._mapped.reserve(*MAPPED_RESERVE)
             self._mapped_ok = self._check_mapped()
-            if self._mapped_ok:
-                self._mapped.reserve(*MAPPED_RESERVE)
         self._map_units = bool(on) and bool(self._mapped_ok)
 
     def _check_mapped(self) -> bool:
