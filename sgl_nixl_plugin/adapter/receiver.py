@@ -41,8 +41,9 @@ class NixlPluginKVReceiver(CommonKVReceiver):
         """SGLang's poll, after applying completion flags its one-pass prefill ranks stored
         (``DecodeSide.check_flags``) and the notes on its direct WRITEs (``check_notes``):
         the scheduler polls every loop, so the room ends as its copy or last WRITE ends. A
-        Failed that SGLang set itself (its timeouts) is told to the room's machine here,
-        when first seen: no prefill status applies after it."""
+        Failed that SGLang set itself reached the room's machine as it was set (the
+        manager's ``update_status``); it is told again here, should a release set it
+        another way: no prefill status applies after it."""
         open_ = self.conclude_state is None
         if open_:
             self.kv_mgr.decode.check_flags(self.bootstrap_room)

@@ -4,7 +4,8 @@ room's machine (``protocol.decode_machine``), and what it decides reaches SGLang
 The machine decides from its phase whether a status still applies (not over an abort or a
 failure already applied; a Success once every expected sender reported it); ``_apply``
 carries out its ``ApplyStatus`` through the rooms facade. A failure SGLang sets itself (its
-timeouts, an abort) is told to the machine as ``FailedHere`` by whoever sees it first.
+timeouts, a failed bootstrap) is told to the machine as ``FailedHere`` as SGLang sets it
+(the manager's ``update_status``), and again, harmlessly, by the receiver's ``poll()``.
 """
 
 from __future__ import annotations
