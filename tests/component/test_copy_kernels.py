@@ -675,16 +675,26 @@ def test_mapped_units_slice_within_their_buffer():
 def test_host_mapped_indices_stay_off_when_their_self_test_fails(monkeypatch):
     """``map_units`` turns on only if reading indices from host memory passed its check
     (run once); otherwise gathers keep uploading them."""
-    from sgl_nixl_plugin.engine.copy_triton import TritonCopier
+    from sgl_nixl_plugin.engine.copy_triton import MAPPED_RESERVE, TritonCopier
+
+    class Pool:  # the pinned buffers' pool: what was reserved, when
+        def __init__(self) -> None:
+            self.reserved: list[tuple[int, int]] = []
+
+        def reserve(self, count: int, capacity: int) -> None:
+            self.reserved.append((count, capacity))
+            calls.append("reserve")
 
     copier = TritonCopier.__new__(TritonCopier)  # no GPU here: only the switch is tested
-    copier._map_units, copier._mapped_ok = False, None
-    calls = []
+    copier._map_units, copier._mapped_ok, copier._mapped = False, None, Pool()
+    calls: list = []
     monkeypatch.setattr(TritonCopier, "_check_mapped", lambda self: calls.append(1) or False)
     copier.map_units = True
-    assert copier.map_units is False and calls == [1]
+    # the reserve is pinned before the check, which reads one of its buffers
+    assert copier.map_units is False and calls == ["reserve", 1]
     copier.map_units = True
-    assert copier.map_units is False and calls == [1]  # checked once
+    assert copier.map_units is False and calls == ["reserve", 1]  # checked once
+    assert copier._mapped.reserved == [MAPPED_RESERVE]
     copier._mapped_ok = True
     copier.map_units = True
     assert copier.map_units is True
