@@ -43,6 +43,7 @@ def summarize(result: SessionResult) -> dict[str, Any]:
         return seconds / first["bytes"] / float(np.median(per_byte))
 
     ready = [r.get("ready_s") for r in result.decode.values() if r.get("ready_s") is not None]
+    cpu_s = result.cpu_s()
     return {
         "backend": result.config.backend,
         "requests": expected,
@@ -71,6 +72,8 @@ def summarize(result: SessionResult) -> dict[str, Any]:
         "prefill_late_ms_max": max((r.get("prefill_late_s", 0.0) * 1e3 for r in ok), default=0.0),
         "descriptors_per_request": float(np.mean(desc)) if desc else None,
         "control_us_per_request": float(np.median(ctl)) if ctl else None,
+        # both sides' processes while their rooms ran, the bench's own page work included
+        "cpu_ms_per_request": cpu_s / len(rooms) * 1e3 if cpu_s is not None and rooms else None,
         "path": ",".join(paths) or "-",
         "wall_s": result.wall_s,
         "errors": [e.splitlines()[-1] if e else e for e in result.errors],
@@ -120,6 +123,10 @@ ROWS = [
             "-" if s["control_us_per_request"] is None else f"{s['control_us_per_request']:.0f} µs"
         ),
     ),
+    (
+        "CPU per request (both sides)",
+        lambda s: "-" if s["cpu_ms_per_request"] is None else f"{s['cpu_ms_per_request']:.1f} ms",
+    ),
     ("transfer path", lambda s: s["path"]),
 ]
 
@@ -133,6 +140,9 @@ def table(summaries: list[dict[str, Any]]) -> str:
         for row in body:
             row.append("")
         body[3][-1] = f"{summaries[0]['gbps'] / summaries[1]['gbps']:.2f}x"
+        cpu = [s["cpu_ms_per_request"] for s in summaries]
+        if cpu[0] and cpu[1]:
+            body[-2][-1] = f"{cpu[1] / cpu[0]:.2f}x less"
         if summaries[1]["latency_p50_ms"] > 0:
             body[5][-1] = (
                 f"{summaries[1]['latency_p50_ms'] / max(summaries[0]['latency_p50_ms'], 1e-9):.2f}x faster"

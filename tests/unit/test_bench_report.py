@@ -118,3 +118,21 @@ def test_the_cpu_of_a_session_is_every_ranks_or_unknown():
     assert SessionResult(SessionConfig(w), 3.0, prefill, decode, []).cpu_s() == 1.75
     decode[(0, 1)] = {"error": "Traceback ..."}  # a rank that did not say
     assert SessionResult(SessionConfig(w), 3.0, prefill, decode, []).cpu_s() is None
+
+
+def test_the_table_gives_cpu_per_request_and_how_much_less_ours_takes():
+    w = Workload(shape=PRESETS["tiny"], page_size=16, requests=4)
+    rooms = {i: _room(float(i), 10.0) for i in range(1, 5)}
+
+    def summary(backend: str, cpu_s: float | None) -> dict:
+        decode = {(0, 0): {"results": rooms, "cpu_s": cpu_s}}
+        prefill = {(0, 0): {"results": {}, "cpu_s": 0.0 if cpu_s is not None else None}}
+        return summarize(SessionResult(SessionConfig(w, backend=backend), 3.0, prefill, decode, []))
+
+    ours, theirs = summary("plugin", 0.02), summary("in-tree", 0.05)
+    assert ours["cpu_ms_per_request"] == 5.0 and theirs["cpu_ms_per_request"] == 12.5
+    row = next(r for r in table([ours, theirs]).splitlines() if r.startswith("CPU per request"))
+    assert row.split()[-6:] == ["5.0", "ms", "12.5", "ms", "2.50x", "less"], row
+    old = summary("plugin", None)  # a tree whose ranks do not report their CPU
+    assert old["cpu_ms_per_request"] is None
+    assert next(r for r in table([old]).splitlines() if r.startswith("CPU")).split()[-1] == "-"

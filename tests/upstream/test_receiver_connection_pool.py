@@ -318,9 +318,9 @@ def test_success_cannot_override_a_failure_or_recreate_a_cleared_room(cluster, r
 def test_a_failure_sglang_sets_itself_keeps_its_reason_over_a_prefill_failure(
     cluster, rooms, fake_rank
 ):
-    """SGLang fails an open room by itself (its waiting timeout: the status, then the
-    reason) before the scheduler polls it again; a prefill's Failed that arrives in between
-    is not applied over it: SGLang's reason stays."""
+    """SGLang fails an open room by itself (as its timeout while bootstrapping does: the
+    status, then the reason) before the scheduler polls it again; a prefill's Failed that
+    arrives in between is not applied over it: SGLang's reason stays."""
     KVPoll = cluster.KVPoll
     mgr = cluster.decode
     room = rooms()
