@@ -9,6 +9,7 @@ SGLang's own random range, and one process never hands out the same port twice.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from contextlib import ExitStack
@@ -31,6 +32,20 @@ _HANDED_OUT: set[int] = set()
 _RNG = random.Random()
 
 
+def _share() -> tuple[int, int]:
+    """(index, count) of this process among the test workers pytest-xdist runs at once
+    (inherited by the processes they start), else (0, 1). Each takes only ports of its own
+    residue modulo ``count``: two workers' sessions picked the same bootstrap port in one
+    CI run, and a decode of one registered with the other's prefill."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    try:
+        index = int(worker.removeprefix("gw"))
+        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    except ValueError:
+        return 0, 1
+    return (index, count) if 0 <= index < count else (0, 1)
+
+
 def free_port() -> int:
     """One port, as :func:`free_ports`."""
     return free_ports(1)[0]
@@ -45,10 +60,11 @@ def free_ports(n: int) -> list[int]:
     TCPStore port, 22000-29999: ``get_free_port_below_ephemeral``) is left out: a server's
     TCPStore once took the HTTP port chosen here for that server."""
     low = _ephemeral_low()
+    index, count = _share()
     ours = [
         p
         for p in range(max(1024, low - 12000), low)
-        if p not in _SGLANG_RANDOM_PORTS and p not in _HANDED_OUT
+        if p % count == index and p not in _SGLANG_RANDOM_PORTS and p not in _HANDED_OUT
     ]
     candidates = _RNG.sample(ours, min(2000, len(ours)))
     with ExitStack() as stack:

@@ -19,3 +19,17 @@ def test_ports_are_never_handed_out_twice_even_with_the_global_generator_reseede
         random.seed(1234)  # as a library seeding the global generator between picks
         picks += free_ports(2)
     assert len(set(picks)) == len(picks), picks
+
+
+def test_parallel_test_workers_pick_from_disjoint_ports(monkeypatch) -> None:
+    """Each pytest-xdist worker (and what it starts) picks only its residue of ports: two
+    workers' sessions once picked one bootstrap port, and a decode of one registered with
+    the other's prefill."""
+    picks: dict[int, set[int]] = {}
+    for index in range(3):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{index}")
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+        picks[index] = set(free_ports(20))
+    assert all(p % 3 == i for i, ports in picks.items() for p in ports), picks
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "master")  # not a worker: every port
+    assert len(free_ports(5)) == 5
