@@ -42,17 +42,24 @@ def _staging(tables: dict[str, int]) -> tuple[int, int, int]:
     )
 
 
+def _assert_no_staging_memory(res) -> dict:
+    """A clean session in which neither rank allocated, offered or took staging memory;
+    the prefill's tables."""
+    assert_clean(res)
+    (decode,) = _tables(res, "decode")
+    (prefill,) = _tables(res, "prefill")
+    assert _staging(prefill) == (0, 0, 0), prefill
+    assert _staging(decode) == (0, 0, 0), decode
+    assert decode["count.staging.offers"] == 0 and prefill["count.staging.peers"] == 0
+    return prefill
+
+
 def test_a_pair_that_never_stages_holds_no_staging_memory() -> None:
     """The prefill writes direct only: neither rank holds a byte of staging memory, though
     the decode has staging on (before: 128 MiB of host memory from start-up)."""
     w = workload("tiny", 16, requests=8)
     res = run_pd(w, role_env={"prefill": {"SGLANG_NIXL_PLUGIN_TRANSFER_PATH": "direct"}})
-    assert_clean(res)
-    (decode,) = _tables(res, "decode")
-    (prefill,) = _tables(res, "prefill")
-    assert _staging(decode) == (0, 0, 0), decode
-    assert _staging(prefill) == (0, 0, 0), prefill
-    assert decode["count.staging.offers"] == 0 and prefill["count.staging.peers"] == 0
+    _assert_no_staging_memory(res)
 
 
 def test_a_pair_whose_chunks_all_go_direct_by_the_rule_holds_no_staging_memory() -> None:
@@ -62,12 +69,7 @@ def test_a_pair_whose_chunks_all_go_direct_by_the_rule_holds_no_staging_memory()
     job ran 12-15% slower)."""
     w = workload("tiny", 16, requests=8, fragmentation="contiguous")
     res = run_pd(w)
-    assert_clean(res)
-    (decode,) = _tables(res, "decode")
-    (prefill,) = _tables(res, "prefill")
-    assert _staging(prefill) == (0, 0, 0), prefill
-    assert _staging(decode) == (0, 0, 0), decode
-    assert decode["count.staging.offers"] == 0 and prefill["count.staging.peers"] == 0
+    prefill = _assert_no_staging_memory(res)
     assert prefill["count.staging.needs"] == 0, prefill
 
 
