@@ -111,6 +111,7 @@ class NixlPluginKVManager(CommonKVManager):
             config,
             memory,
             progress_thread=self.settings.progress_thread,
+            prewarm=self.settings.ucx_prewarm,
             scratch=not is_prefill and len(memory.aux) > 0 and memory.aux.mem_kind == "DRAM",
         )
         self.compat = compat_of(args, bool(is_mla_backend))

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from sgl_nixl_plugin.engine import ucx_prewarm
 from sgl_nixl_plugin.engine.layout import RegionSet
 
 logger = logging.getLogger(__name__)
@@ -68,11 +69,17 @@ class Agent:
     """A NIXL agent with one backend, and an inventory of everything it created."""
 
     def __init__(
-        self, config: AgentSettings, name: str | None = None, progress_thread: bool = False
+        self,
+        config: AgentSettings,
+        name: str | None = None,
+        progress_thread: bool = False,
+        prewarm: bool = False,
     ) -> None:
         """``progress_thread``: NIXL's own progress thread polls without pause (a full core
         per process, idle or not), so by default we progress the agent ourselves, only
-        while transfers are pending (see ``progress``)."""
+        while transfers are pending (see ``progress``). ``prewarm``: have UCX select its
+        protocols for same-host peers now, not at the first peer's set-up
+        (``ucx_prewarm``)."""
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.name = name or f"sgl-nixl-{uuid.uuid4().hex[:16]}"
@@ -96,6 +103,16 @@ class Agent:
                 "`sgl-nixl-plugin doctor`."
             ) from exc
         self.backend = config.backend
+        if prewarm and config.backend == "UCX":
+            done = ucx_prewarm.prewarm(self._nixl, config.backend)
+            if done.ok:
+                logger.debug("sgl-nixl: UCX protocols selected at start-up in %.1f ms", done.ms)
+            else:
+                logger.info(
+                    "sgl-nixl: UCX protocols not selected at start-up (%s): the first peer "
+                    "pays the selection",
+                    done.error,
+                )
         self.live: Counter[str] = Counter()
         self._regs: list[Any] = []
         self._dlists: set[Any] = set()

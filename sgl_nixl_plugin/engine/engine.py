@@ -154,10 +154,12 @@ class TransferEngine:
         name: str | None = None,
         progress_thread: bool = False,
         scratch: bool = False,
+        prewarm: bool = False,
     ) -> None:
         """``scratch``: also register a small host buffer that peers' warm-ups WRITE into
-        (a decode whose aux rows are in host memory: see ``warm_host``)."""
-        self.agent = Agent(config, name, progress_thread)
+        (a decode whose aux rows are in host memory: see ``warm_host``); ``prewarm``: see
+        ``Agent``."""
+        self.agent = Agent(config, name, progress_thread, prewarm)
         self.memory = memory
         self._local_lists: dict[tuple[str, Geometry, tuple[int, ...]], _Side] = {}
         self._lock = threading.Lock()
