@@ -102,10 +102,11 @@ VARS: tuple[Var, ...] = (
        field="nixl_threads", minimum=0),
     _v("PROGRESS_THREAD", "flag", False, "tuning", "NIXL's own progress thread",
        field="progress_thread"),
-    _v("UCX_PREWARM", "flag", True, "tuning",
+    _v("UCX_PREWARM", "choice", "auto", "tuning",
        "UCX selects its protocols for same-host peers at start-up (two throwaway in-process "
-       "agents, ~50 ms), not inside the first request of a decode learned from it",
-       field="ucx_prewarm"),
+       "agents, ~50 ms), not inside the first request of a decode learned from it; auto: "
+       "with a DRAM KV pool only (not yet measured on a GPU), 1: always, 0: never",
+       choices=("auto", "1", "0"), field="ucx_prewarm"),
     _v("LOG_LEVEL", "choice", "", "tuning",
        "level of the plugin's loggers in SGLang's processes (DEBUG: one line per room); "
        "unset: SGLang's --log-level",
@@ -264,7 +265,7 @@ class Settings:
     workers: int = 2
     nixl_threads: int = 8
     progress_thread: bool = False
-    ucx_prewarm: bool = True
+    ucx_prewarm: str = "auto"
     transfer_path: str = "auto"
     prefills: str = ""  # bootstrap host:port list a decode registers with at start-up
     cuda_ipc: bool = True  # a decode exports its KV pool for one-pass transfers

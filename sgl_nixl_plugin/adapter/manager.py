@@ -27,6 +27,7 @@ from sgl_nixl_plugin.adapter.sglang_rooms import (
     sglang_table_sizes,
     tcp,
 )
+from sgl_nixl_plugin.engine import ucx_prewarm
 from sgl_nixl_plugin.engine.engine import TransferEngine
 from sgl_nixl_plugin.engine.staging import gpu_uuid
 from sgl_nixl_plugin.engine.staging_memory import LazyStaging
@@ -111,7 +112,7 @@ class NixlPluginKVManager(CommonKVManager):
             config,
             memory,
             progress_thread=self.settings.progress_thread,
-            prewarm=self.settings.ucx_prewarm,
+            prewarm=ucx_prewarm.wanted(self.settings.ucx_prewarm, self.kv_mem_kind),
             scratch=not is_prefill and len(memory.aux) > 0 and memory.aux.mem_kind == "DRAM",
         )
         self.compat = compat_of(args, bool(is_mla_backend))

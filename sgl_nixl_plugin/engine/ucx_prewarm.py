@@ -40,6 +40,13 @@ class Prewarm:
     peers: tuple[str, ...] = ()  # the throwaway agents' names (none is left as our peer)
 
 
+def wanted(setting: str, mem_kind: str) -> bool:
+    """``SGLANG_NIXL_PLUGIN_UCX_PREWARM``: "1" always, "0" never, "auto" for a DRAM KV pool
+    (measured there; a GPU host's UCX loads its CUDA transports in each throwaway agent,
+    not measured yet)."""
+    return setting == "1" or (setting == "auto" and mem_kind == "DRAM")
+
+
 def prewarm(agent: Any, backend: str, mem_kind: str = "DRAM", timeout_s: float = 2.0) -> Prewarm:
     """Run the two throwaway WRITEs against ``agent`` (a ``nixl_agent`` with ``backend``
     created); never raises. Leaves ``agent`` as it found it: no peer, no registration."""

@@ -86,3 +86,17 @@ def test_an_engine_started_with_it_moves_a_peers_pages_byte_exact() -> None:
             assert engine.agent.live["peer"] == 1  # the peer, none of the throwaway agents
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize(
+    ("setting", "mem_kind", "want"),
+    [
+        ("auto", "DRAM", True),
+        ("auto", "VRAM", False),
+        ("1", "VRAM", True),
+        ("1", "DRAM", True),
+        ("0", "DRAM", False),
+    ],
+)
+def test_auto_selects_at_start_up_for_a_dram_pool_only(setting, mem_kind, want) -> None:
+    assert ucx_prewarm.wanted(setting, mem_kind) is want
