@@ -103,8 +103,10 @@ class Agent:
                 "`sgl-nixl-plugin doctor`."
             ) from exc
         self.backend = config.backend
+        #: the start-up protocol selection's outcome, when it ran
+        self.prewarmed: ucx_prewarm.Prewarm | None = None
         if prewarm and config.backend == "UCX":
-            done = ucx_prewarm.prewarm(self._nixl, config.backend)
+            done = self.prewarmed = ucx_prewarm.prewarm(self._nixl, config.backend)
             if done.ok:
                 logger.debug("sgl-nixl: UCX protocols selected at start-up in %.1f ms", done.ms)
             else:

@@ -1,7 +1,7 @@
 """Pay UCX's protocol selection at start-up instead of on a peer's first request.
 
-UCX (1.17 and later: protocols v2) chooses its protocols per endpoint configuration the
-first time a worker meets that configuration: a few tables (active messages in six
+UCX (its protocols v2, the default of the UCX that NIXL's wheels carry) chooses its
+protocols per endpoint configuration the first time a worker meets that configuration: a few tables (active messages in six
 variants, the RMA write) at ~0.5 ms of CPU each, 3.5-4 ms in all on a 2-core host, and again
 on the target when the initiator's wire-up creates the reverse endpoint there. A decode
 learned from its first request paid that inside the request: in NIXL's ``add_remote_agent``

@@ -68,6 +68,11 @@ def test_an_engine_started_with_it_moves_a_peers_pages_byte_exact() -> None:
     for b in bufs.values():
         b.raw[:] = np.random.default_rng(7).integers(0, 256, b.raw.size, np.uint8)
     engine = TransferEngine(AgentConfig(), memory, prewarm=True)
+    plain = TransferEngine(AgentConfig(), memory)
+    try:
+        assert plain.agent.prewarmed is None  # off unless asked
+    finally:
+        plain.close()
     try:
         with peers(spec) as (peer,):
             link = engine.link(peer.metadata, peer.memory)
@@ -83,7 +88,11 @@ def test_an_engine_started_with_it_moves_a_peers_pages_byte_exact() -> None:
             got = peer.read("kv", dst)
             want = bufs["kv"].pages[:, src]
             assert np.array_equal(got, want)
-            assert engine.agent.live["peer"] == 1  # the peer, none of the throwaway agents
+            done = engine.agent.prewarmed
+            assert done is not None and done.ok, done
+            nixl = engine.agent._nixl
+            assert not any(nixl.check_remote_metadata(p) for p in done.peers)
+            assert nixl.check_remote_metadata(link.name)
     finally:
         engine.close()
 
