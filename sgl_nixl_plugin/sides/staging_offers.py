@@ -76,12 +76,9 @@ class StagingOffers:
         allocated (the first ask starts the allocation), unless it has it (it answered a
         registration sent again); ``then`` runs once it went (or the reason it has none)."""
         self.declined.discard(endpoint)
-        if endpoint in self.offered:
-            if then is not None:
-                then()
-            return
-        with self._lock:
-            if not self._allocated:
+        with self._lock:  # the allocation adds its askers to ``offered`` under it
+            has_it = endpoint in self.offered
+            if not has_it and not self._allocated:
                 self._askers[endpoint] = then
                 if self._thread is None:
                     self._thread = threading.Thread(
@@ -89,6 +86,10 @@ class StagingOffers:
                     )
                     self._thread.start()
                 return
+        if has_it:
+            if then is not None:
+                then()
+            return
         self._send_offer(endpoint, then)
 
     def withdraw(self, endpoint: Endpoint, declined: bool = False) -> None:

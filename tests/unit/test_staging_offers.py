@@ -77,6 +77,43 @@ def test_two_ranks_asking_during_the_allocation_get_one_buffer_and_the_area_afte
     assert len(sent) == 2 and memory.allocations == 1 and offers.sent == 2
 
 
+class _SlowLookup(set):
+    """``offered`` whose lookup for ``A`` lets the allocation thread finish before the
+    answer returns (up to ``bound``): the race of a rank asking again while the
+    allocation ends. Checked under the offers' lock, the allocation cannot run meanwhile
+    and the lookup gives up after ``bound``."""
+
+    def __init__(self, done: threading.Event, bound: float) -> None:
+        super().__init__()
+        self.done, self.bound = done, bound
+
+    def __contains__(self, item: object) -> bool:
+        found = super().__contains__(item)
+        if item == A:
+            self.done.wait(self.bound)
+        return found
+
+
+def test_a_rank_asking_again_as_the_allocation_ends_gets_the_area_once():
+    gate, done = threading.Event(), threading.Event()
+    offers, memory, rooms, agent, sent = _offers(gate=gate)
+    offers.offer(A)  # the allocation starts, A waits for it
+    offers.offered = _SlowLookup(done, bound=0.5)
+    real_send = offers._send
+
+    def send(ep, msg) -> bool:
+        ok = real_send(ep, msg)
+        done.set()  # the allocation thread sent A its area
+        return ok
+
+    offers._send = send
+    gate.set()
+    offers.offer(A)  # A's reply to our registration sent again, as the allocation ends
+    assert offers.wait(10)
+    assert [ep for ep, _, _ in sent] == [A], sent  # one area, not two
+    assert offers.sent == 1 and memory.allocations == 1
+
+
 def test_a_failed_allocation_is_offered_as_a_reason_naming_the_setting():
     def fail(*args):
         raise MemoryError("out of memory")
