@@ -19,6 +19,7 @@ from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
 
 from sgl_nixl_plugin import metrics
 from sgl_nixl_plugin.settings import read_secret
+from sgl_nixl_plugin.transport.bootstrap_client import ROUTES_PATH
 from sgl_nixl_plugin.wire.http_auth import HEADER, verify
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ SCHEMAS: dict[tuple[str, str], type] = {
 
 
 def _needs_auth(request: web.Request) -> bool:
+    if request.path == ROUTES_PATH:
+        return True  # it names every rank's address
     if request.path == "/route":
         if request.method != "GET":
             return True
@@ -135,6 +138,24 @@ class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
             handler_args={"logger": _SERVER_LOG},
         )
         super()._setup_routes()
+        self.app.router.add_get(ROUTES_PATH, self._handle_routes)
+
+    async def _handle_routes(self, request: web.Request) -> web.Response:
+        """Every rank's route in one answer, once all are registered: a decode learning
+        this prefill asks once instead of once per rank (SGLang's per-rank ``/route``
+        queries stay for its own decode and older releases of ours)."""
+        if not self._is_ready():
+            return web.Response(status=503, text="Prefill server not fully registered yet")
+        async with self.lock:
+            ranks = [
+                {"dp": dp, "cp": cp, "tp": tp, "pp": pp, "rank_ip": r.rank_ip,
+                 "rank_port": int(r.rank_port)}
+                for dp, cps in self.prefill_port_table.items()
+                for cp, tps in cps.items()
+                for tp, pps in tps.items()
+                for pp, r in pps.items()
+            ]  # fmt: skip
+        return web.json_response({"ranks": ranks})
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:

@@ -20,7 +20,7 @@ from sgl_nixl_plugin.sides.decode_listener import DecodeListener
 from sgl_nixl_plugin.sides.decode_policy import DecodePolicy
 from sgl_nixl_plugin.sides.decode_staging import DecodeStaging
 from sgl_nixl_plugin.sides.decode_warmup import StartupRegistration
-from sgl_nixl_plugin.transport import bootstrap_client
+from sgl_nixl_plugin.transport import bootstrap_client, requests_prewarm
 from sgl_nixl_plugin.wire.notes import count_note, decode_note
 
 Endpoint = tuple[str, int]
@@ -54,6 +54,10 @@ class DecodeSide:
         if self.ctx.staging is not None:
             self.ctx.staging.start()
         self.listener.start()
+        if self.ctx.settings.warmup:  # the first request's bootstrap query, paid now
+            ms = requests_prewarm.pay_first_call()
+            if ms is not None:
+                logger.debug("sgl-nixl: SGLang's HTTP client warmed in %.1f ms", ms)
 
     def register_at_start(self, addrs: tuple[str, ...], ensure: Callable[[str], bool]) -> None:
         """Register with the prefills an operator named (``SGLANG_NIXL_PLUGIN_PREFILLS``),

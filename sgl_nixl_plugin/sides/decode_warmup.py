@@ -6,8 +6,10 @@ registers with every rank it will talk to as soon as SGLang has the prefill's pa
 (``try_ensure_parallel_info``), in a thread of its own; each prefill rank links, WRITEs the
 decode's padding page (``TransferEngine.warm``) and replies. When SGLang's own registration
 follows, the prefill finds the same registration and only replies. ``ready(addr)`` says when
-every rank has replied. The routes the warm-up asked for are kept for the first receiver of
-each (``take_route``), which SGLang would otherwise ask the bootstrap for again.
+every rank has replied. The warm-up asks for every rank's route in one query (our bootstrap's
+``/nixl/routes``; rank by rank from a bootstrap without it) and keeps each for the first
+receiver of that rank (``take_route``), which SGLang would otherwise ask the bootstrap for
+again: a receiver that comes while the answer is on its way waits for it.
 
 ``StartupRegistration`` starts the warm-up of the prefills named in
 ``SGLANG_NIXL_PLUGIN_PREFILLS`` when the decode starts (as soon as each is up), so that a
@@ -34,6 +36,9 @@ MAX_RANKS = 64
 #: A warm-up that has not heard from every rank by then is given up (the request path,
 #: which registers again, reports what is wrong).
 GIVE_UP_S = 10.0
+#: The longest a receiver waits for the route the warm-up is asking for (its own query
+#: would wait as long for the same answer).
+ROUTE_WAIT_S = float(bootstrap_client.TIMEOUT_S)
 
 
 @dataclass
@@ -44,6 +49,7 @@ class _Warming:
     linked: set[Endpoint] = field(default_factory=set)  # accepted this decode
     done_at: float | None = None
     routes: dict[str, dict[str, Any]] = field(default_factory=dict)  # query -> route, unused
+    resolving: bool = True  # still asking the bootstrap for routes
     stale: bool = False  # a rank was lost, restarted or refused: warm again on next start
 
 
@@ -59,7 +65,7 @@ class DecodeWarmup:
         self._registration = registration
         self._info = prefill_info
         self._secret = secret
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # notified as routes come in
         self._by_addr: dict[str, _Warming] = {}
         self.routes_reused = 0  # first receivers that took the warm-up's route
 
@@ -70,21 +76,28 @@ class DecodeWarmup:
             known = self._by_addr.get(addr)
             if known is not None and not known.stale:
                 return False
-            self._by_addr[addr] = _Warming(time.monotonic())
+            w = self._by_addr[addr] = _Warming(time.monotonic())
         threading.Thread(
-            target=self._run, args=(addr,), name="sgl-nixl-warmup", daemon=True
+            target=self._run, args=(addr, w), name="sgl-nixl-warmup", daemon=True
         ).start()
         return True
 
     def take_route(self, addr: str, query: str) -> dict[str, Any] | None:
         """The route the warm-up got for ``query`` at ``addr``, once (a copy), or None: the
         first receiver to a prefill need not ask the bootstrap again; later ones use
-        SGLang's own cache. None once the warm-up went stale (a rank was lost)."""
+        SGLang's own cache. While the warm-up still asks, this waits for its answer (at most
+        ``ROUTE_WAIT_S``). None once the warm-up went stale (a rank was lost)."""
+        deadline = time.monotonic() + ROUTE_WAIT_S
         with self._lock:
-            w = self._by_addr.get(addr)
-            if w is None or w.stale:
-                return None
-            route = w.routes.pop(query, None)
+            while True:
+                w = self._by_addr.get(addr)
+                if w is None or w.stale:
+                    return None
+                route = w.routes.pop(query, None)
+                left = deadline - time.monotonic()
+                if route is not None or not w.resolving or left <= 0:
+                    break
+                self._lock.wait(left)
             self.routes_reused += route is not None
         return dict(route) if route is not None else None
 
@@ -153,29 +166,27 @@ class DecodeWarmup:
                     w.waiting.clear()
                     w.done_at = w.done_at or now
 
-    def _run(self, addr: str) -> None:
-        routes: dict[str, dict[str, Any]] = {}
+    def _run(self, addr: str, w: _Warming) -> None:
         try:
-            endpoints = self._endpoints(addr, routes)
+            endpoints = self._endpoints(addr, w)
         except Exception as exc:  # a warm-up must never take the decode down
             logger.debug("sgl-nixl: warm-up of prefill %s: %s", addr, exc)
             endpoints = None
         with self._lock:
-            w = self._by_addr.get(addr)
-            if w is None:
-                return
+            w.resolving = False
+            self._lock.notify_all()
             if not endpoints:
                 w.done_at = time.monotonic()  # nothing to wait for: requests register
                 return
-            w.endpoints, w.waiting, w.routes = frozenset(endpoints), set(endpoints), routes
+            w.endpoints, w.waiting = frozenset(endpoints), set(endpoints)
         frames = self._registration()
         for ep in sorted(endpoints):
             if not self._send(ep, frames):
                 self.replied(ep, False)  # logged by the transport; the requests try again
 
-    def _endpoints(self, addr: str, routes: dict[str, dict[str, Any]]) -> set[Endpoint] | None:
-        """The prefill ranks this decode's requests to ``addr`` can go to; each route
-        answered is put in ``routes`` under its query."""
+    def _endpoints(self, addr: str, w: _Warming) -> set[Endpoint] | None:
+        """The prefill ranks this decode's requests to ``addr`` can go to; each route is
+        kept on ``w`` under its query as it comes in."""
         info = self._info(addr)
         if info is None:
             return None
@@ -185,17 +196,27 @@ class DecodeWarmup:
         dps = range(max(1, int(info.dp_size or 1)))
         if not tps or len(dps) * len(cps) * len(tps) * len(pps) > MAX_RANKS:
             return None
+        queries = [
+            bootstrap_client.route_query(dp, cp, tp, pp)
+            for dp in dps
+            for cp in cps
+            for tp in tps
+            for pp in pps
+        ]
+        table = bootstrap_client.get_routes(addr, self._secret)
+        if table == {}:
+            return None  # refused or unreachable (logged): the requests ask for themselves
         out: set[Endpoint] = set()
-        for dp in dps:
-            for cp in cps:
-                for tp in tps:
-                    for pp in pps:
-                        query = bootstrap_client.route_query(dp, cp, tp, pp)
-                        route = bootstrap_client.get_route(addr, query, self._secret)
-                        if route is None:
-                            return None
-                        routes[query] = route
-                        out.add((str(route["rank_ip"]), int(route["rank_port"])))
+        for query in queries:
+            route = (table or {}).get(query) or bootstrap_client.get_route(
+                addr, query, self._secret
+            )
+            if route is None:
+                return None
+            with self._lock:
+                w.routes[query] = route
+                self._lock.notify_all()
+            out.add((str(route["rank_ip"]), int(route["rank_port"])))
         return out
 
 

@@ -35,6 +35,7 @@ from test_hostile import (
 
 from sgl_nixl_plugin.bench.session import SessionConfig
 from sgl_nixl_plugin.cli import doctor, doctor_exposure
+from sgl_nixl_plugin.transport import bootstrap_client
 from sgl_nixl_plugin.wire import codec as codec_mod
 from sgl_nixl_plugin.wire import http_auth
 from sgl_nixl_plugin.wire.codec import Codec
@@ -199,6 +200,11 @@ def test_decode_without_the_secret_is_refused_everywhere(prom: Any) -> None:
                 "bad signature",
             )
             expect(
+                "every rank's address, unsigned",
+                requests.get(url + "/nixl/routes", timeout=5),
+                missing,
+            )
+            expect(
                 "rank address, garbled header",
                 requests.get(url + RANK0, headers={HEADER: "yesterday:abc"}, timeout=5),
                 "malformed signature timestamp",
@@ -207,6 +213,10 @@ def test_decode_without_the_secret_is_refused_everywhere(prom: Any) -> None:
             r = requests.get(url + RANK0, headers=sign(secret, "GET", RANK0), timeout=5)
             assert r.status_code == 200, r.text
             prefill_ep = (r.json()["rank_ip"], int(r.json()["rank_port"]))
+            server = url.removeprefix("http://")
+            assert bootstrap_client.get_routes(server, secret) == {
+                bootstrap_client.route_query(0, 0, 0, 0): r.json()
+            }
             r = requests.post(
                 url + "/register_dp_rank",
                 data=dp_body,
@@ -244,11 +254,14 @@ def test_decode_without_the_secret_is_refused_everywhere(prom: Any) -> None:
 
     counts = rejected_counts(multiproc_registry(prom))
     decode_attempts = len(dec) + 1  # one refused rank query per room, and the warm-up's
+    # (the warm-up asks for every rank's route at once)
     assert counts["http_unauthenticated"] == len(refusals) + decode_attempts, (counts, refusals)
     assert counts["unauthenticated"] == 1 and counts["bad_mac"] == 1 and counts["stale"] == 1, (
         counts
     )
-    assert log.text.count(f"401 for GET /route from 127.0.0.1: {missing}") >= 1 + decode_attempts
+    assert log.text.count(f"401 for GET /route from 127.0.0.1: {missing}") >= 1 + len(dec)
+    assert log.text.count(f"401 for GET /nixl/routes from 127.0.0.1: {missing}") == 2
+    assert "refused the route table query (HTTP 401)" in log.text
     assert "401 for PUT /route from 127.0.0.1: bad signature: the shared secrets differ" in log.text
     assert "dropped control message from unknown peer: unauthenticated" in log.text
     assert "bad_mac" in log.text and "stale (sent 36" in log.text

@@ -57,6 +57,7 @@ from sgl_nixl_plugin.bench.session import (
     free_port,
 )
 from sgl_nixl_plugin.bench.workload import Workload
+from sgl_nixl_plugin.transport import bootstrap_client
 from sgl_nixl_plugin.wire.codec import MAGIC, Codec, ForeignReply, index_specs
 from sgl_nixl_plugin.wire.messages import (
     PROTOCOL_VERSION,
@@ -713,6 +714,8 @@ def test_bootstrap_files_dp_attention_ranks_as_sglang_sends_them(bootstrap: Boot
     DP controller starts each scheduler with it). SGLang files them by attention DP rank;
     refusing rank 1 left the decode waiting for a prefill that never got ready."""
     agg = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+    r = bootstrap.call("GET", "/nixl/routes")
+    assert r.status_code == 503 and "not fully registered" in r.text, r.text
     for dp in (0, 1):
         body = _route_body(
             attn_tp_size=1,
@@ -729,6 +732,38 @@ def test_bootstrap_files_dp_attention_ranks_as_sglang_sends_them(bootstrap: Boot
     for dp in (0, 1):
         q = f"/route?prefill_dp_rank={dp}&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
         assert bootstrap.call("GET", q).json()["rank_port"] == 4242 + dp
+    # Every rank's route in one answer: what the per-rank queries answer, keyed the same way.
+    server = bootstrap.url.removeprefix("http://")
+    table = bootstrap_client.get_routes(server, None)
+    assert table == {
+        bootstrap_client.route_query(dp, 0, 0, 0): {"rank_ip": "127.0.0.1", "rank_port": 4242 + dp}
+        for dp in (0, 1)
+    }
+    q = bootstrap_client.route_query(1, 0, 0, 0)
+    assert bootstrap_client.get_route(server, q, None) == table[q]
+
+
+def test_a_bootstrap_without_the_route_table_is_asked_rank_by_rank() -> None:
+    """SGLang's own server (and our releases before the table) answer 404: the decode's
+    warm-up then asks for each rank's route as before."""
+    from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
+
+    port = free_port()
+    server = CommonKVBootstrapServer(host="127.0.0.1", port=port)
+    http = requests.Session()
+    try:
+
+        def healthy() -> bool:
+            try:
+                return http.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except requests.RequestException:
+                return False
+
+        wait_for("SGLang's bootstrap server", healthy, 30)
+        assert bootstrap_client.get_routes(f"127.0.0.1:{port}", None) is None
+    finally:
+        http.close()
+        server.close()
 
 
 # =========================================================================== ZMQ

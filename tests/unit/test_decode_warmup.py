@@ -25,13 +25,31 @@ def _info(tp: list[int], dp: int = 1) -> Any:
 
 
 class Harness:
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, info: Any, send_ok: bool = True) -> None:
+    """A warm-up whose bootstrap answers rank by rank (``table`` None: a bootstrap without
+    the route table), or with ``table`` at once; ``gate``, when set, holds each rank query
+    until the test lets it through."""
+
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        info: Any,
+        send_ok: bool = True,
+        table: dict | None = None,
+        gate: threading.Event | None = None,
+    ) -> None:
         self.queries: list[str] = []
+        self.table_queries = 0
         self.sent: list[tuple[tuple[str, int], list[Any]]] = []
         self.done = threading.Event()
 
+        def get_routes(addr: str, secret: bytes | None) -> dict | None:
+            self.table_queries += 1
+            return table
+
         def get_route(addr: str, query: str, secret: bytes | None) -> dict | None:
             self.queries.append(query)
+            if gate is not None:
+                assert gate.wait(10), "the test never let the rank query through"
             tp = int(query.split("target_tp_rank=")[1].split("&")[0])
             dp = int(query.split("prefill_dp_rank=")[1].split("&")[0])
             return {"rank_ip": "127.0.0.1", "rank_port": 9000 + 10 * dp + tp}
@@ -43,6 +61,7 @@ class Harness:
             return send_ok
 
         monkeypatch.setattr(decode_warmup.bootstrap_client, "get_route", get_route)
+        monkeypatch.setattr(decode_warmup.bootstrap_client, "get_routes", get_routes)
         self.expected = 0
         self.warmup = DecodeWarmup(send, lambda: [b"registration"], lambda a: info, None)
 
@@ -163,6 +182,98 @@ def test_the_first_receiver_takes_the_warm_up_route_once_and_none_once_stale(mon
     h.warmup.forget(("127.0.0.1", 9001))
     assert h.warmup.take_route(ADDR, q1) is None
     assert h.warmup.routes_reused == 1
+
+
+def _table(ports: dict[tuple[int, int], int]) -> dict[str, dict]:
+    """A route table answer: (dp, tp) -> port."""
+    return {
+        bootstrap_client.route_query(dp, 0, tp, 0): {"rank_ip": "127.0.0.1", "rank_port": port}
+        for (dp, tp), port in ports.items()
+    }
+
+
+def test_one_query_gives_the_warm_up_every_route_when_the_bootstrap_has_the_table(monkeypatch):
+    table = _table({(0, 0): 7000, (0, 1): 7001, (1, 0): 7010, (1, 1): 7011})
+    h = Harness(monkeypatch, _info([0, 1], dp=2), table=table)
+    h.start(expected=4)
+    assert h.table_queries == 1 and h.queries == []
+    assert sorted(ep for ep, _ in h.sent) == [("127.0.0.1", p) for p in (7000, 7001, 7010, 7011)]
+    q = bootstrap_client.route_query(1, 0, 1, 0)
+    assert h.warmup.take_route(ADDR, q) == {"rank_ip": "127.0.0.1", "rank_port": 7011}
+
+
+def test_a_rank_missing_from_the_table_is_asked_for_alone(monkeypatch):
+    h = Harness(monkeypatch, _info([0, 1]), table=_table({(0, 0): 7000}))
+    h.start(expected=2)
+    assert h.queries == [bootstrap_client.route_query(0, 0, 1, 0)]
+    assert sorted(ep for ep, _ in h.sent) == [("127.0.0.1", 7000), ("127.0.0.1", 9001)]
+
+
+def test_a_refused_table_query_leaves_the_routes_to_the_requests(monkeypatch):
+    """401 or no answer (``get_routes`` gives an empty table, logged): asking rank by rank
+    would be refused the same way; the receivers ask and fail with the reason."""
+    h = Harness(monkeypatch, _info([0]), table={})
+    h.warmup.start(ADDR)
+    poll_until(lambda: h.warmup.ready(ADDR), timeout=10, what="a warm-up left to the requests")
+    assert h.queries == [] and h.sent == []
+    assert h.warmup.take_route(ADDR, bootstrap_client.route_query(0, 0, 0, 0)) is None
+
+
+def _release_when_a_receiver_waits(
+    monkeypatch: pytest.MonkeyPatch, warmup: DecodeWarmup, gate: threading.Event
+) -> None:
+    """Lets the warm-up's held query through once a receiver waits for the answer (the
+    warm-up's condition, a private: no other way to know the receiver is inside)."""
+    cond = warmup._lock
+    real_wait = cond.wait
+
+    def wait(timeout: float | None = None) -> bool:
+        gate.set()
+        return real_wait(timeout)
+
+    monkeypatch.setattr(cond, "wait", wait)
+
+
+def test_a_receiver_asking_while_the_warm_up_asks_waits_for_that_answer(monkeypatch):
+    """SGLang's first receiver to a prefill comes a moment after the warm-up started (both
+    follow ``try_ensure_parallel_info``): it waits for the warm-up's answer instead of
+    asking the bootstrap the same question again."""
+    gate = threading.Event()
+    h = Harness(monkeypatch, _info([0]), gate=gate)
+    h.expected = 1
+    _release_when_a_receiver_waits(monkeypatch, h.warmup, gate)
+    q0 = bootstrap_client.route_query(0, 0, 0, 0)
+    got: list[Any] = []
+    h.warmup.start(ADDR)
+    poll_until(lambda: h.queries == [q0], timeout=10, what="the warm-up's rank query")
+    receiver = threading.Thread(target=lambda: got.append(h.warmup.take_route(ADDR, q0)))
+    receiver.start()
+    receiver.join(10)
+    assert got == [{"rank_ip": "127.0.0.1", "rank_port": 9000}]
+    assert h.queries == [q0] and h.warmup.routes_reused == 1
+    assert h.done.wait(10)
+
+
+def test_a_receiver_waiting_for_a_route_the_warm_up_could_not_get_asks_at_once(monkeypatch):
+    def no_route(addr: str, query: str, secret: bytes | None) -> None:
+        assert gate.wait(10)
+        return None
+
+    gate = threading.Event()
+    h = Harness(monkeypatch, _info([0]))
+    monkeypatch.setattr(decode_warmup.bootstrap_client, "get_route", no_route)
+    monkeypatch.setattr(decode_warmup, "ROUTE_WAIT_S", 60.0)
+    _release_when_a_receiver_waits(monkeypatch, h.warmup, gate)  # then the query fails
+    got: list[Any] = []
+    h.warmup.start(ADDR)
+    receiver = threading.Thread(
+        target=lambda: got.append(
+            h.warmup.take_route(ADDR, bootstrap_client.route_query(0, 0, 0, 0))
+        )
+    )
+    receiver.start()
+    receiver.join(10)
+    assert not receiver.is_alive() and got == [None]
 
 
 class Prefills:
