@@ -23,6 +23,7 @@ from helpers.fixtures import (  # noqa: E402,F401
     scenarios,
 )
 from helpers.layers import pytest_report_header  # noqa: E402,F401
+from helpers.loopback_only import _loopback_only  # noqa: E402,F401
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the markers set here

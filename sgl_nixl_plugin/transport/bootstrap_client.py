@@ -4,10 +4,11 @@ Each request is signed with the shared secret when one is configured (``wire.htt
 our bootstrap server refuses unsigned ones then. Failures are logged and reported to the
 caller, never raised into a scheduler thread.
 
-The calls use the standard library's ``http.client``, one connection each: a GET costs
+The queries use the standard library's ``http.client``, one connection each: a GET costs
 ~0.13 ms of CPU against ~0.7 ms through ``requests`` (its session, adapters and proxy
 lookup). The decode's first request to a prefill waits for these queries, and a thread that
-makes them holds the GIL from the scheduler meanwhile.
+makes them holds the GIL from the scheduler meanwhile. A prefill rank's start-up
+registration (``put_route``) stays on ``requests``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import json
 import logging
 import time
 from typing import Any
-from urllib.parse import urlsplit
+
+import requests
 
 from sgl_nixl_plugin.wire.http_auth import sign
 
@@ -74,17 +76,20 @@ NO_ANSWER = (OSError, http.client.HTTPException, ValueError)
 
 
 def put_route(url: str, payload: dict, secret: bytes | None) -> bool:
-    """Advertise a prefill rank (PUT /route), retried with backoff; whether it took."""
+    """Advertise a prefill rank (PUT /route), retried with backoff; whether it took. Once
+    per rank at start-up: through ``requests``, as SGLang's own registration (its retry
+    behaviour is tested against SGLang's, with ``requests.put`` replaced)."""
     body = json.dumps(payload).encode()
-    parts = urlsplit(url)
+    path = "/" + url.split("/", 3)[3]
+    headers = {"Content-Type": "application/json", **sign(secret, "PUT", path, body)}
     delay, problem = 0.5, ""
     for attempt in range(1, ATTEMPTS + 1):
         try:
-            r = call("PUT", parts.netloc, parts.path, secret, body)
-            if r.status == 200:
+            r = requests.put(url, data=body, headers=headers, timeout=TIMEOUT_S)
+            if r.status_code == 200:
                 return True
-            problem = f"HTTP {r.status}: {r.text[:300]}"
-            if r.status in (400, 401, 413):
+            problem = f"HTTP {r.status_code}: {r.text[:300]}"
+            if r.status_code in (400, 401, 413):
                 break  # retrying a refused registration can't help
         except Exception as exc:  # never take the scheduler down: SGLang's own code doesn't
             problem = f"{type(exc).__name__}: {exc}"
