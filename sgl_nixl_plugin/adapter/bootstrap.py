@@ -10,6 +10,7 @@ mapping rooms to DP ranks need a valid signature (``wire.http_auth``).
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Annotated, Any
 
 import msgspec
@@ -25,6 +26,8 @@ from sgl_nixl_plugin.wire.http_auth import HEADER, verify
 logger = logging.getLogger(__name__)
 
 MAX_BODY = 64 << 10
+#: The query keys of SGLang's topology query (each -1): its decode's first look at a prefill.
+TOPOLOGY_QUERY = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 Rank = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 Size = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 
@@ -141,11 +144,15 @@ class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
         self.app.router.add_get(ROUTES_PATH, self._handle_routes)
 
     async def _handle_routes(self, request: web.Request) -> web.Response:
-        """Every rank's route in one answer, once all are registered: a decode learning
-        this prefill asks once instead of once per rank (SGLang's per-rank ``/route``
-        queries stay for its own decode and older releases of ours)."""
+        """Every rank's route in one answer, once all are registered, with the prefill's
+        parallel info (``info``: SGLang's topology answer, as its decode gets it): a decode
+        learning this prefill asks once instead of once per rank, and can register with the
+        ranks its requests go to while SGLang's own topology query is still on its way
+        (SGLang's per-rank ``/route`` queries stay for its decode and older releases of
+        ours)."""
         if not self._is_ready():
             return web.Response(status=503, text="Prefill server not fully registered yet")
+        info = await self._topology()
         async with self.lock:
             ranks = [
                 {"dp": dp, "cp": cp, "tp": tp, "pp": pp, "rank_ip": r.rank_ip,
@@ -155,7 +162,21 @@ class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
                 for tp, pps in tps.items()
                 for pp, r in pps.items()
             ]  # fmt: skip
-        return web.json_response({"ranks": ranks})
+        return web.json_response({"ranks": ranks, "info": info})
+
+    async def _topology(self) -> dict[str, Any] | None:
+        """SGLang's answer to its topology query (``/route`` with every rank -1), from its
+        own handler, as the decode gets it (no page size); None if that handler is gone."""
+        handler = getattr(self, "_handle_route_get", None)
+        if handler is None:
+            return None
+        query = dict.fromkeys(TOPOLOGY_QUERY, "-1")
+        response = _without_page_size(await handler(SimpleNamespace(query=query)))
+        body = getattr(response, "body", None)
+        if response.status != 200 or not isinstance(body, bytes | bytearray):
+            return None
+        data = msgspec.json.decode(body)
+        return data if isinstance(data, dict) else None
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -157,14 +158,13 @@ class NixlPluginKVManager(CommonKVManager):
                 self.decode.ctx.rooms.free_flag = self.decode.ctx.flags.free
             self._start_heartbeat_checker_thread()
         self.side.start()
-        if not is_prefill:  # the prefills an operator named: registered as each comes up
-            self.decode.register_at_start(
-                prefill_addrs(self.settings.prefills), self.try_ensure_parallel_info
-            )
         if is_prefill:
             # Only now can this rank answer decodes: advertise it at the bootstrap server.
             self._advertise = True
             self.register_to_bootstrap()
+        else:  # the prefills an operator named: registered as each comes up
+            ahead = partial(self.try_ensure_parallel_info, request_waits=False)
+            self.decode.register_at_start(prefill_addrs(self.settings.prefills), ahead)
         announce()
         metrics.prepare()
         staging = self.side.ctx.staging_memory  # allocated when a peer first stages
@@ -234,14 +234,12 @@ class NixlPluginKVManager(CommonKVManager):
         memory = self._staging_memory(gpu) if self.staging_bytes > 0 else None
         rooms = DecodeRooms(quarantine_s=self.settings.abort_drain_timeout_s)  # slots: later
         ctx = DecodeContext(**base, rooms=rooms, staging_memory=memory)
+        sg, me = ctx.sglang, ctx.me
         ctx.warmup = DecodeWarmup(
-            self.transport.send_raw,
-            self.build_receiver_registration_message,
-            ctx.sglang.prefill_info,
-            self.settings.secret,
-        )
+            self.transport.send_raw, self.build_receiver_registration_message,
+            sg.prefill_info, self.settings.secret, sg.resolve_prefill_info,
+        )  # fmt: skip
         if memory is not None:
-            sg, me = ctx.sglang, ctx.me
             offers = StagingOffers(
                 memory, rooms, ctx.send, (me.name, me.ip, me.port), lambda: self.engine.metadata
             )
@@ -347,21 +345,22 @@ class NixlPluginKVManager(CommonKVManager):
             metrics.failure(failure_reason)
 
     # -- decode: messages to prefill ------------------------------------------------------
-    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """SGLang's first look at a prefill: once it has the prefill's parallel info, this
-        decode registers with the prefill's ranks in the background (``DecodeWarmup``)."""
-        ok = super().try_ensure_parallel_info(bootstrap_addr)
-        if ok and self.settings.warmup and self.disaggregation_mode == DisaggregationMode.DECODE:
-            if self.decode.ctx.warmup.start(bootstrap_addr):
-                self.decode.listener.expect_data(warmup=True)  # its WRITE needs our progress
-        return ok
+    def try_ensure_parallel_info(self, bootstrap_addr: str, request_waits: bool = True) -> bool:
+        """SGLang's first look at a prefill (``request_waits`` False: one named at start-up),
+        beside which this decode registers with the prefill's ranks (``DecodeWarmup``)."""
+        query = super().try_ensure_parallel_info
+        if not self.settings.warmup or self.disaggregation_mode != DisaggregationMode.DECODE:
+            return query(bootstrap_addr)
+        listener = self.decode.listener  # a warm-up's WRITE needs our progress
+        return self.decode.ctx.warmup.ensure(
+            bootstrap_addr, request_waits, query, lambda: listener.expect_data(warmup=True)
+        )
 
     def prefill_ready(self, bootstrap_addr: str) -> bool:
-        """Every rank of that prefill linked this decode and warmed the path to it (always
-        True with the warm-up turned off)."""
+        """Every rank of that prefill linked this decode (always True, the warm-up off)."""
         return not self.settings.warmup or self.decode.ctx.warmup.ready(bootstrap_addr)
 
-    def build_receiver_registration_message(self) -> list:
+    def build_receiver_registration_message(self, request_waits: bool = True) -> list:
         args, mem = self.kv_args, self.engine.memory
         reg = PeerRegistration(
             compat=self.compat,
@@ -383,6 +382,7 @@ class NixlPluginKVManager(CommonKVManager):
             pp_rank=int(self.pp_rank),
             pp_size=int(self.pp_size),
             draft_entries=int(getattr(args, "num_draft_entries", 0) or 0),
+            request_waits=request_waits,
         )
         return self.codec.encode(reg)
 

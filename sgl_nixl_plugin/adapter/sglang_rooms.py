@@ -14,6 +14,7 @@ import threading
 from typing import Any, NamedTuple
 
 from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common import conn as sglang_conn
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 from sglang.srt.utils.network import NetworkAddress
 
@@ -198,6 +199,17 @@ class SGLangRooms:
     def prefill_info(self, addr: str) -> Any:
         """SGLang's parallel info of the prefill at bootstrap ``addr`` (None: not fetched)."""
         return self._m.prefill_info_table.get(addr)
+
+    def resolve_prefill_info(self, topology: dict[str, Any]) -> Any:
+        """SGLang's parallel info built from a copy of a prefill's topology answer, with
+        SGLang's mapping of this decode's ranks onto it (not cached: SGLang's own query
+        fills its table); None when SGLang's code refuses it or has no such mapping."""
+        try:
+            info = sglang_conn.PrefillServerInfo(**topology)
+            self._m._resolve_rank_mapping(info)
+        except Exception:  # this release's fields or checks differ: wait for its own query
+            return None
+        return info
 
     def forget_prefill_endpoint(self, endpoint: Endpoint, disconnect: bool = True) -> None:
         """Drop cached routes to ``endpoint`` so the next request asks the bootstrap again;

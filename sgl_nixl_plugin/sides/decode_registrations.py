@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import msgspec
+
 from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.engine import Memory, PeerLink
 from sgl_nixl_plugin.engine.staging import RemoteStaging
@@ -51,7 +53,7 @@ class Setup:
 
     link: PeerLink | None = None
     warm_ms: float | None = None
-    warm_light: bool = False  # one item: the decode's first request was already waiting
+    warm_light: bool = False  # no warm-up: the decode's first request was already waiting
     window: tuple[int, ...] | None = None
     one_pass: str = ""
     wants_staging: bool = False  # ask the decode for its staging area (``StagingOffer``)
@@ -141,6 +143,9 @@ class DecodeRegistrations:
         peers = ctx.peers
         endpoint = (reg.ip, reg.port)
         assert ctx.compat is not None
+        waits = reg.request_waits
+        if waits:  # not part of who the decode is: kept only as a note for its setup
+            reg = msgspec.structs.replace(reg, request_waits=False)
         reason = describe_mismatch(ctx.compat, reg.compat, "prefill")
         if not reason and reg.compat_hash != ctx.compat_hash:
             reason = "compatibility hash differs although every field matches: upgrade both sides"
@@ -169,6 +174,8 @@ class DecodeRegistrations:
             self._accept(reg, Setup(reason=reason))
             return
         self.setting_up[reg.agent_name] = endpoint
+        if waits:
+            self.request_waits.add(reg.agent_name)  # read by the setup thread
         self.setup.submit(reg, lambda: self._set_up(reg, pages))
 
     def _set_up(self, reg: PeerRegistration, pages: tuple[int, int]) -> Setup:
@@ -320,8 +327,9 @@ class DecodeRegistrations:
                 if pages[0] != pages[1]
                 else "",
                 f", warm-up WRITE {setup.warm_ms:.1f} ms"
-                f"{' (one item: a request was waiting)' if setup.warm_light else ''}"
                 if setup.warm_ms is not None
+                else ", no warm-up WRITE (a request was waiting)"
+                if setup.warm_light
                 else "",
                 setup.one_pass,
             )
@@ -352,18 +360,21 @@ class DecodeRegistrations:
     ) -> float | None:
         """The first WRITEs to a new decode, into its padding page, (staged path) its
         staging buffer's spare tail and (host aux rows) its scratch buffer, before the
-        reply. A decode that registered ahead of its requests (at start-up, or the warm-up
-        thread winning the race) gets a request-sized KV WRITE, which takes the transport's
-        wire-up off its first request; one whose first request already waits (``light``)
-        gets one item: that request would wait for the whole warm-up and then pay little
-        less itself. A failure is logged, not a refusal: the requests then report it."""
+        reply: they take the transport's wire-up off its first request. Only for a decode
+        that registered ahead of its requests (at start-up): one whose first request
+        already waits (``light``: it said so, or the request came during the link) gets
+        none, since that request would wait for the warm-up's wire-up and then pay the
+        rest of it itself (a one-item WRITE left the CPU host's first request ~2.5 ms
+        slower than none). A failure is logged, not a refusal: the requests then report it."""
         if not self.ctx.settings.warmup:
+            return None
+        if light:
+            self.ctx.light_warmups += 1
             return None
         engine, local = self.ctx.engine, self.ctx.staging
         bound = self.ctx.settings.warmup_timeout_s
-        self.ctx.light_warmups += light
         try:
-            ms = engine.warm(link, bound, items=1 if light else None) * 1e3
+            ms = engine.warm(link, bound) * 1e3
             if local is not None and staging is not None:
                 ms += engine.warm_staging(link, local, staging, bound) * 1e3
             if scratch is not None and scratch.mem_kind == "DRAM":

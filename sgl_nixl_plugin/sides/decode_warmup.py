@@ -2,14 +2,18 @@
 
 SGLang's decode registers with a prefill rank lazily, inside the first request's handshake,
 so NIXL's wire-up (linking the peer, the first WRITE) lands on that request. Here the decode
-registers with every rank it will talk to as soon as SGLang has the prefill's parallel info
-(``try_ensure_parallel_info``), in a thread of its own; each prefill rank links, WRITEs the
-decode's padding page (``TransferEngine.warm``) and replies. When SGLang's own registration
-follows, the prefill finds the same registration and only replies. ``ready(addr)`` says when
-every rank has replied. The warm-up asks for every rank's route in one query (our bootstrap's
-``/nixl/routes``; rank by rank from a bootstrap without it) and keeps each for the first
-receiver of that rank (``take_route``), which SGLang would otherwise ask the bootstrap for
-again: a receiver that comes while the answer is on its way waits for it.
+registers with every rank it will talk to, in a thread of its own, started as SGLang's first
+look at the prefill (``try_ensure_parallel_info``) begins: our bootstrap's route table
+(``/nixl/routes``) carries every rank's route and the prefill's parallel info, which SGLang's
+own rank mapping turns into the ranks to register with, so the prefill links this decode
+while SGLang's topology query is still on its way. From a bootstrap without the table (or
+its info) the warm-up waits for SGLang's query and asks rank by rank. Each prefill rank
+links and, for a decode registered ahead of its requests (``request_waits`` False: the
+named prefills below), WRITEs the decode's padding page (``TransferEngine.warm``), then
+replies. When SGLang's own registration follows, the prefill finds the same registration
+and only replies. ``ready(addr)`` says when every rank has replied. Each route is kept for
+the first receiver of that rank (``take_route``), which SGLang would otherwise ask the
+bootstrap for again: a receiver that comes while the answer is on its way waits for it.
 
 ``StartupRegistration`` starts the warm-up of the prefills named in
 ``SGLANG_NIXL_PLUGIN_PREFILLS`` when the decode starts (as soon as each is up), so that a
@@ -37,7 +41,7 @@ MAX_RANKS = 64
 #: which registers again, reports what is wrong).
 GIVE_UP_S = 10.0
 #: The longest a receiver waits for the route the warm-up is asking for (its own query
-#: would wait as long for the same answer).
+#: would wait as long for the same answer), and the warm-up for SGLang's topology query.
 ROUTE_WAIT_S = float(bootstrap_client.TIMEOUT_S)
 
 
@@ -51,36 +55,74 @@ class _Warming:
     routes: dict[str, dict[str, Any]] = field(default_factory=dict)  # query -> route, unused
     resolving: bool = True  # still asking the bootstrap for routes
     stale: bool = False  # a rank was lost, restarted or refused: warm again on next start
+    request_waits: bool = True  # started for a request (not ahead of them): no warm-up WRITE
+    info_done: bool = False  # SGLang's own topology query of the prefill ended
 
 
 class DecodeWarmup:
     def __init__(
         self,
         send_frames: Callable[[Endpoint, list[Any]], bool],
-        registration: Callable[[], list[Any]],
+        registration: Callable[[bool], list[Any]],
         prefill_info: Callable[[str], Any],
         secret: bytes | None,
+        resolve_info: Callable[[dict[str, Any]], Any] | None = None,
     ) -> None:
+        """``registration(request_waits)``: this decode's registration frames;
+        ``prefill_info(addr)``: SGLang's parallel info of a prefill, once its query got it;
+        ``resolve_info(topology)``: SGLang's rank mapping applied to a copy of the
+        prefill's topology answer (None when SGLang's code refuses it)."""
         self._send = send_frames
         self._registration = registration
         self._info = prefill_info
+        self._resolve = resolve_info
         self._secret = secret
         self._lock = threading.Condition()  # notified as routes come in
         self._by_addr: dict[str, _Warming] = {}
         self.routes_reused = 0  # first receivers that took the warm-up's route
 
-    def start(self, addr: str) -> bool:
-        """Warm ``addr`` once (again after ``forget``): a daemon thread asks its routes.
-        True when this call started a warm-up."""
+    def start(self, addr: str, request_waits: bool = True) -> bool:
+        """Warm ``addr`` once (again after ``forget``, or when the prefill was not up): a
+        daemon thread asks its routes. ``request_waits``: a request to it is waiting (the
+        prefill then skips its warm-up WRITE). True when this call started a warm-up."""
         with self._lock:
             known = self._by_addr.get(addr)
             if known is not None and not known.stale:
                 return False
-            w = self._by_addr[addr] = _Warming(time.monotonic())
+            w = self._by_addr[addr] = _Warming(time.monotonic(), request_waits=request_waits)
         threading.Thread(
             target=self._run, args=(addr, w), name="sgl-nixl-warmup", daemon=True
         ).start()
         return True
+
+    def ensure(
+        self,
+        addr: str,
+        request_waits: bool,
+        query: Callable[[str], bool],
+        started: Callable[[], None],
+    ) -> bool:
+        """SGLang's topology query of ``addr`` (``query``), with the warm-up started beside
+        it and told when it ended; started again after it if the first found the prefill
+        down. ``started`` runs whenever a warm-up starts."""
+        if self.start(addr, request_waits):
+            started()
+        try:
+            ok = query(addr)
+        finally:
+            self.info_fetched(addr)
+        if ok and self.start(addr, request_waits):
+            started()
+        return ok
+
+    def info_fetched(self, addr: str) -> None:
+        """SGLang's topology query of ``addr`` ended, with its info or without: a warm-up
+        waiting for it goes on."""
+        with self._lock:
+            w = self._by_addr.get(addr)
+            if w is not None and not w.info_done:
+                w.info_done = True
+                self._lock.notify_all()
 
     def take_route(self, addr: str, query: str) -> dict[str, Any] | None:
         """The route the warm-up got for ``query`` at ``addr``, once (a copy), or None: the
@@ -177,9 +219,11 @@ class DecodeWarmup:
             self._lock.notify_all()
             if not endpoints:
                 w.done_at = time.monotonic()  # nothing to wait for: requests register
+                # no parallel info yet (the prefill is not up): warm it at the next start
+                w.stale = w.stale or self._info(addr) is None
                 return
             w.endpoints, w.waiting = frozenset(endpoints), set(endpoints)
-        frames = self._registration()
+        frames = self._registration(w.request_waits)
         for ep in sorted(endpoints):
             if not self._send(ep, frames):
                 self.replied(ep, False)  # logged by the transport; the requests try again
@@ -187,7 +231,8 @@ class DecodeWarmup:
     def _endpoints(self, addr: str, w: _Warming) -> set[Endpoint] | None:
         """The prefill ranks this decode's requests to ``addr`` can go to; each route is
         kept on ``w`` under its query as it comes in."""
-        info = self._info(addr)
+        table = bootstrap_client.get_routes(addr, self._secret)
+        info = self._parallel_info(addr, w, table)
         if info is None:
             return None
         tps = [t for t in (info.target_tp_ranks or [info.target_tp_rank]) if t is not None]
@@ -203,14 +248,12 @@ class DecodeWarmup:
             for tp in tps
             for pp in pps
         ]
-        table = bootstrap_client.get_routes(addr, self._secret)
-        if table == {}:
+        if table is not None and not table.routes:
             return None  # refused or unreachable (logged): the requests ask for themselves
+        routes = table.routes if table is not None else {}
         out: set[Endpoint] = set()
         for query in queries:
-            route = (table or {}).get(query) or bootstrap_client.get_route(
-                addr, query, self._secret
-            )
+            route = routes.get(query) or bootstrap_client.get_route(addr, query, self._secret)
             if route is None:
                 return None
             with self._lock:
@@ -218,6 +261,21 @@ class DecodeWarmup:
                 self._lock.notify_all()
             out.add((str(route["rank_ip"]), int(route["rank_port"])))
         return out
+
+    def _parallel_info(
+        self, addr: str, w: _Warming, table: bootstrap_client.RouteTable | None
+    ) -> Any:
+        """The prefill's parallel info with this decode's rank mapping: SGLang's, if it has
+        it (a warm-up started again); else SGLang's mapping of the table's copy; else
+        (a bootstrap without one) SGLang's, once its query ends. None: no info."""
+        info = self._info(addr)
+        if info is None and table is not None and table.info is not None and self._resolve:
+            info = self._resolve(table.info)
+        if info is None:
+            with self._lock:
+                self._lock.wait_for(lambda: w.info_done, ROUTE_WAIT_S + 1)
+            info = self._info(addr)
+        return info
 
 
 #: Seconds between looks at a named prefill that is not up yet, at first and at most.

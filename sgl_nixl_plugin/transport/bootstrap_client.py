@@ -17,7 +17,7 @@ import http.client
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import requests
 
@@ -157,15 +157,24 @@ def get_route(server: str, query: str, secret: bytes | None) -> dict[str, Any] |
     return _route(r)
 
 
-def get_routes(server: str, secret: bytes | None) -> dict[str, dict[str, Any]] | None:
-    """Every rank's route in one answer (GET /nixl/routes), under its ``route_query``.
-    None when the server has no such table (404: SGLang's, or an older release of ours):
-    ask rank by rank. Any other failure is logged and gives an empty table."""
+class RouteTable(NamedTuple):
+    """Our bootstrap's answer to ``ROUTES_PATH``: each rank's route under its
+    ``route_query``, and the prefill's parallel info as SGLang's topology query gets it
+    (None from a release that sends none)."""
+
+    routes: dict[str, dict[str, Any]]
+    info: dict[str, Any] | None = None
+
+
+def get_routes(server: str, secret: bytes | None) -> RouteTable | None:
+    """Every rank's route in one answer (GET /nixl/routes). None when the server has no
+    such table (404: SGLang's, or an older release of ours): ask rank by rank. Any other
+    failure is logged and gives a table without routes."""
     try:
         r = call("GET", server, ROUTES_PATH, secret)
     except NO_ANSWER as exc:
         logger.error("sgl-nixl: bootstrap %s unreachable: %s", server, exc)
-        return {}
+        return RouteTable({})
     if r.status == 404:
         return None
     if r.status != 200:
@@ -175,18 +184,21 @@ def get_routes(server: str, secret: bytes | None) -> dict[str, dict[str, Any]] |
             r.status,
             r.text[:300],
         )
-        return {}
+        return RouteTable({})
     try:
-        return {
+        answer = r.json()
+        routes = {
             route_query(int(x["dp"]), int(x["cp"]), int(x["tp"]), int(x["pp"])): {
                 "rank_ip": str(x["rank_ip"]),
                 "rank_port": int(x["rank_port"]),
             }
-            for x in r.json()["ranks"]
+            for x in answer["ranks"]
         }
     except (ValueError, KeyError, TypeError) as exc:
         logger.error("sgl-nixl: bootstrap %s: malformed route table: %r", server, exc)
-        return {}
+        return RouteTable({})
+    info = answer.get("info")
+    return RouteTable(routes, info if isinstance(info, dict) else None)
 
 
 def _route(r: Answer) -> dict[str, Any] | None:

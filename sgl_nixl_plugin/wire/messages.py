@@ -129,6 +129,11 @@ class PeerRegistration(msgspec.Struct, frozen=True, tag="reg"):
     # ``StagingOffer``; ``staging`` is then None. 0: none on request (an older release
     # sends its area, if any, in ``staging``)
     staging_slot_bytes: NonNeg = 0
+    # the decode registers because a request of its waits (not ahead of its requests): the
+    # prefill skips the warm-up WRITEs, which that request would wait for and then pay
+    # little less itself. Not part of the decode's identity (equal registrations keep the
+    # link whatever it says); an older release sends none (False)
+    request_waits: bool = False
 
 
 class RegistrationReply(msgspec.Struct, frozen=True, tag="reg_reply"):

@@ -735,12 +735,15 @@ def test_bootstrap_files_dp_attention_ranks_as_sglang_sends_them(bootstrap: Boot
     # Every rank's route in one answer: what the per-rank queries answer, keyed the same way.
     server = bootstrap.url.removeprefix("http://")
     table = bootstrap_client.get_routes(server, None)
-    assert table == {
+    assert table is not None and table.routes == {
         bootstrap_client.route_query(dp, 0, 0, 0): {"rank_ip": "127.0.0.1", "rank_port": 4242 + dp}
         for dp in (0, 1)
     }
     q = bootstrap_client.route_query(1, 0, 0, 0)
-    assert bootstrap_client.get_route(server, q, None) == table[q]
+    assert bootstrap_client.get_route(server, q, None) == table.routes[q]
+    # with the prefill's parallel info as SGLang's topology query gets it (no page size)
+    assert table.info == bootstrap.call("GET", agg).json()
+    assert table.info["dp_size"] == 2 and table.info["page_size"] is None, table.info
 
 
 def test_a_bootstrap_without_the_route_table_is_asked_rank_by_rank() -> None:

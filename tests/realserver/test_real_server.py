@@ -327,11 +327,14 @@ def _log_problems(stack: PDStack, sent: int) -> list[str]:
                 )
             # the warm-up at first contact: each decode rank registered with its prefill
             # ranks before its first request (every stage of a PP 1 decode, every DP group,
-            # every attention TP rank holding its heads), and each of them WRITEd its
-            # padding page once per decode rank that registered
+            # every attention TP rank holding its heads), and each of them linked it once
+            # per decode rank that registered: with a warm-up WRITE into its padding page
+            # when the decode named it at start-up, without one when a request waited
             n = stack.links_per_decode_rank
             decode_ranks = stack.tp * stack.decode_pp
             warm = f"{n} of {n} ranks linked and warmed" if role == "decode" else ", warm-up WRITE "
+            if role == "prefill" and not stack.named:
+                warm = ", no warm-up WRITE (a request was waiting)"
             expected = decode_ranks if role == "decode" else decode_ranks * n
             if _count(log, warm) != expected:
                 why = [ln for ln in log.splitlines() if "warm-up" in ln or "connect" in ln]

@@ -36,15 +36,26 @@ class Harness:
         send_ok: bool = True,
         table: dict | None = None,
         gate: threading.Event | None = None,
+        table_info: dict | None = None,
+        resolve: Any = None,
     ) -> None:
+        """``info``: SGLang's parallel info (None: its query has not got it yet);
+        ``table_info``: the topology copy in the route table; ``resolve``: SGLang's mapping
+        of that copy."""
         self.queries: list[str] = []
         self.table_queries = 0
         self.sent: list[tuple[tuple[str, int], list[Any]]] = []
+        self.waits: list[bool] = []  # each registration's ``request_waits``
         self.done = threading.Event()
+        self.info = info
 
-        def get_routes(addr: str, secret: bytes | None) -> dict | None:
+        def get_routes(addr: str, secret: bytes | None) -> Any:
             self.table_queries += 1
-            return table
+            return None if table is None else bootstrap_client.RouteTable(table, table_info)
+
+        def registration(request_waits: bool) -> list[Any]:
+            self.waits.append(request_waits)
+            return [b"registration"]
 
         def get_route(addr: str, query: str, secret: bytes | None) -> dict | None:
             self.queries.append(query)
@@ -63,7 +74,7 @@ class Harness:
         monkeypatch.setattr(decode_warmup.bootstrap_client, "get_route", get_route)
         monkeypatch.setattr(decode_warmup.bootstrap_client, "get_routes", get_routes)
         self.expected = 0
-        self.warmup = DecodeWarmup(send, lambda: [b"registration"], lambda a: info, None)
+        self.warmup = DecodeWarmup(send, registration, lambda a: self.info, None, resolve)
 
     def start(self, expected: int) -> None:
         self.expected = expected
@@ -134,7 +145,7 @@ def test_a_prefill_beyond_the_rank_bound_is_left_to_the_requests(monkeypatch):
 
 
 def test_an_unknown_prefill_is_not_ready():
-    w = DecodeWarmup(lambda ep, f: True, lambda: [], lambda a: None, None)
+    w = DecodeWarmup(lambda ep, f: True, lambda waits: [], lambda a: None, None)
     assert not w.ready(ADDR)
 
 
@@ -217,6 +228,77 @@ def test_a_refused_table_query_leaves_the_routes_to_the_requests(monkeypatch):
     poll_until(lambda: h.warmup.ready(ADDR), timeout=10, what="a warm-up left to the requests")
     assert h.queries == [] and h.sent == []
     assert h.warmup.take_route(ADDR, bootstrap_client.route_query(0, 0, 0, 0)) is None
+
+
+TOPOLOGY = {"attn_tp_size": 2, "dp_size": 1, "page_size": None}
+
+
+def test_the_warm_up_registers_from_the_tables_info_while_sglangs_query_is_on_its_way(
+    monkeypatch,
+):
+    """The route table carries the prefill's topology: SGLang's own rank mapping of that
+    copy gives the ranks, so the registrations leave before SGLang's query ends (here it
+    never does)."""
+    resolved: list[dict] = []
+
+    def resolve(topology: dict) -> Any:
+        resolved.append(topology)
+        return _info([0, 1])
+
+    table = _table({(0, 0): 7000, (0, 1): 7001})
+    h = Harness(monkeypatch, None, table=table, table_info=TOPOLOGY, resolve=resolve)
+    h.start(expected=2)
+    assert resolved == [TOPOLOGY] and h.table_queries == 1 and h.queries == []
+    assert sorted(ep for ep, _ in h.sent) == [("127.0.0.1", 7000), ("127.0.0.1", 7001)]
+    assert h.waits == [True]  # started for a request: the prefill skips its warm-up WRITE
+
+
+def test_without_the_tables_info_the_warm_up_waits_for_sglangs_query(monkeypatch):
+    """A table without the topology (an older release of ours), or one SGLang's mapping
+    refuses: the warm-up waits for SGLang's own query, then uses its info."""
+    table = _table({(0, 0): 7000})
+    h = Harness(monkeypatch, None, table=table, resolve=lambda topology: None)
+    h.expected = 1
+    h.warmup.start(ADDR)
+    poll_until(lambda: h.table_queries == 1, timeout=10, what="the warm-up's table query")
+    assert h.sent == [] and not h.warmup.ready(ADDR)
+    h.info = _info([0])
+    h.warmup.info_fetched(ADDR)
+    assert h.done.wait(10), "no registration after SGLang's query ended"
+    assert [ep for ep, _ in h.sent] == [("127.0.0.1", 7000)]
+
+
+def test_the_warm_up_starts_beside_sglangs_query_and_again_if_the_prefill_was_down(
+    monkeypatch,
+):
+    """``ensure``: the warm-up's table query runs while SGLang's query does; a warm-up that
+    found no parallel info (the prefill not up: both answered 503) starts again with
+    SGLang's next look, which gets it."""
+    h = Harness(monkeypatch, None, table={})  # 503: a table without routes
+    seen: list[int] = []
+
+    def sglang_query_down(addr: str) -> bool:
+        poll_until(lambda: h.table_queries == 1, timeout=10, what="a table query beside")
+        seen.append(h.table_queries)
+        return False
+
+    started: list[str] = []
+    assert not h.warmup.ensure(ADDR, True, sglang_query_down, lambda: started.append("a"))
+    assert seen == [1] and started == ["a"]
+    poll_until(lambda: h.warmup.ready(ADDR), timeout=10, what="the first warm-up's end")
+    assert h.sent == []
+    h.expected = 1
+    h.info = _info([0])
+    table_up = _table({(0, 0): 7000})
+    monkeypatch.setattr(
+        decode_warmup.bootstrap_client,
+        "get_routes",
+        lambda addr, secret: bootstrap_client.RouteTable(table_up),
+    )
+    assert h.warmup.ensure(ADDR, False, lambda addr: True, lambda: started.append("b"))
+    assert h.done.wait(10) and started == ["a", "b"]
+    assert [ep for ep, _ in h.sent] == [("127.0.0.1", 7000)]
+    assert h.waits == [False]  # named at start-up: the prefill warms the path
 
 
 def _release_when_a_receiver_waits(

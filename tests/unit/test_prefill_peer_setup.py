@@ -219,21 +219,31 @@ def test_a_registration_repeated_during_its_setup_is_answered_after_it(prefill):
     assert ctl.registrations.setup.completed == 1  # the repeat kept the link: set up once
 
 
-@pytest.mark.parametrize("request_waits", [True, False])
-def test_a_decode_whose_first_request_waits_gets_a_one_item_warm_up(prefill, request_waits):
-    """A request-sized warm-up WRITE (32 MiB on DRAM: a whole request's time) only delays a
-    request that already waits for the setup; a decode registered ahead of its requests
-    (at start-up) gets the whole one."""
+@pytest.mark.parametrize("waits", ["request", "flag", None])
+def test_a_decode_whose_first_request_waits_gets_no_warm_up(prefill, waits):
+    """A warm-up WRITE only delays a request that already waits for the setup (it waits
+    for the wire-up, then pays the rest itself): a decode whose request arrived during the
+    link, or whose registration says a request waits, gets none; one registered ahead of
+    its requests (at start-up) gets the whole one."""
     ctl, push, log, (port_a, _) = prefill
     codec, engine = ctl.ctx.codec, ctl.ctx.engine
-    _register_while_linking(ctl, push, log, _registration("decode-a", port_a), request_waits)
+    reg = _registration("decode-a", port_a)
+    flagged = msgspec.structs.replace(reg, request_waits=True)
+    _register_while_linking(ctl, push, log, flagged if waits == "flag" else reg, waits == "request")
     push.send_multipart(codec.encode(Ping("decode-c", "127.0.0.1", 1, 3)))
     _until(log, "a pong while linking", lambda m: isinstance(m, Pong))
     engine.link_release.set()
     _until(log, "decode-a's reply", lambda m: isinstance(m, RegistrationReply))
-    assert engine.warm_items == ([1] if request_waits else [None])
-    assert (ctl.ctx.warmups, ctl.ctx.light_warmups) == (1, int(request_waits))
+    assert engine.warm_items == ([] if waits else [None])
+    assert (ctl.ctx.warmups, ctl.ctx.light_warmups) == (0, 1) if waits else (1, 0)
     assert not ctl.registrations.request_waits  # forgotten once the setup is done
+    # the flag is not part of who the decode is: the same registration without it (SGLang's
+    # own, or one sent ahead) keeps the link
+    assert ctl.ctx.peers.accepted["decode-a"].reg == reg
+    push.send_multipart(codec.encode(reg if waits == "flag" else flagged))
+    _until(log, "the repeat's reply", lambda m: sum(
+        isinstance(x, RegistrationReply) for _, x in log) == 2)  # fmt: skip
+    assert ctl.registrations.setup.completed == 1
 
 
 class HeldAllocation:
