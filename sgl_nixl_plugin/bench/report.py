@@ -9,6 +9,28 @@ import numpy as np
 from sgl_nixl_plugin.bench.session import SessionResult
 
 
+def first_steps(
+    result: SessionResult, rooms: dict[int, dict[str, Any]], first: dict[str, Any] | None
+) -> dict[str, float]:
+    """Where the first request's time after the handshake went: each stamp of its room, in
+    ms after the decode's request left (``send_metadata``), the decode's (``decode.*``:
+    its ``ReceiveEvent``) and the prefill's (``prefill.*``: the earliest of its ranks'
+    ``TransferEvent.timeline``); empty when the room carries none."""
+    room = next((k for k, r in rooms.items() if r is first), None)
+    if room is None or first is None or "request_at" not in first.get("stamps", {}):
+        return {}
+    t0 = first["stamps"]["request_at"]
+    out: dict[str, float] = {}
+    sides = [("decode", r.get("results", {}).get(room)) for r in result.decode.values()]
+    sides += [("prefill", r.get("results", {}).get(room)) for r in result.prefill.values()]
+    for side, r in sides:
+        for name, at in ((r or {}).get("timeline") or {}).items():
+            if name.endswith("_at") and isinstance(at, float):
+                key = f"{side}.{name.removesuffix('_at')}"
+                out[key] = min(out.get(key, np.inf), (at - t0) * 1e3)
+    return dict(sorted(out.items(), key=lambda kv: kv[1]))
+
+
 def summarize(result: SessionResult) -> dict[str, Any]:
     rooms = result.decode_results()
     ok = [r for r in rooms.values() if r["ok"]]
@@ -65,6 +87,7 @@ def summarize(result: SessionResult) -> dict[str, Any]:
         "steady_p50_ms": steady_p50,
         "first_vs_steady_p50": vs_steady(handshake_s + after_ready_s),
         "first_after_handshake_ms": after_ready_s * 1e3,
+        "first_request_steps_ms": first_steps(result, rooms, first),
         "first_after_handshake_vs_steady_p50": vs_steady(after_ready_s),
         "time_to_ready_s": max(ready) if ready else None,
         # rooms whose prefill sent after the decode's request arrived (not transfer time)

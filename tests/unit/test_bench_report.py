@@ -136,3 +136,29 @@ def test_the_table_gives_cpu_per_request_and_how_much_less_ours_takes():
     old = summary("plugin", None)  # a tree whose ranks do not report their CPU
     assert old["cpu_ms_per_request"] is None
     assert next(r for r in table([old]).splitlines() if r.startswith("CPU")).split()[-1] == "-"
+
+
+def test_the_first_requests_steps_are_reported_from_both_sides_stamps():
+    """``first_request_steps_ms``: where the first request's time went, on the machine's
+    one clock, from the decode's request; the earliest prefill rank for each step."""
+    w = Workload(shape=PRESETS["tiny"], page_size=16, requests=2)
+    first = {**_room(1.0, 30.0), "stamps": {"request_at": 100.0}}
+    first["timeline"] = {"requested_at": 100.0, "applied_at": 100.030, "status_ms": 3.0}
+    rooms = {5: first, 6: {**_room(2.0, 10.0), "stamps": {"request_at": 200.0}}}
+    prefill = {
+        (0, 0): {"results": {5: {"timeline": {"started_at": 100.006, "ended_at": 100.029}}}},
+        (0, 1): {"results": {5: {"timeline": {"started_at": 100.004, "ended_at": 100.028}}}},
+    }
+    result = SessionResult(SessionConfig(w), 3.0, prefill, {(0, 0): {"results": rooms}}, [])
+    steps = summarize(result)["first_request_steps_ms"]
+    assert list(steps) == [
+        "decode.requested", "prefill.started", "prefill.ended", "decode.applied",
+    ]  # fmt: skip
+    assert steps["decode.requested"] == 0.0
+    assert steps["prefill.started"] == pytest.approx(4.0)  # rank 1's, the earlier
+    assert steps["prefill.ended"] == pytest.approx(28.0)
+    assert steps["decode.applied"] == pytest.approx(30.0)
+    no_stamps = SessionResult(
+        SessionConfig(w), 3.0, {}, {(0, 0): {"results": {1: _room(1.0, 5.0)}}}, []
+    )
+    assert summarize(no_stamps)["first_request_steps_ms"] == {}
