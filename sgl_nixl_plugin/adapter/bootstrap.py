@@ -166,12 +166,17 @@ class NixlPluginKVBootstrapServer(CommonKVBootstrapServer):
 
     async def _topology(self) -> dict[str, Any] | None:
         """SGLang's answer to its topology query (``/route`` with every rank -1), from its
-        own handler, as the decode gets it (no page size); None if that handler is gone."""
+        own handler, as the decode gets it (no page size); None if that handler is gone or
+        fails here (the decode's warm-up then waits for SGLang's own query)."""
         handler = getattr(self, "_handle_route_get", None)
         if handler is None:
             return None
         query = dict.fromkeys(TOPOLOGY_QUERY, "-1")
-        response = _without_page_size(await handler(SimpleNamespace(query=query)))
+        try:
+            response = _without_page_size(await handler(SimpleNamespace(query=query)))
+        except Exception as exc:  # another release's handler reads more of the request
+            logger.debug("sgl-nixl bootstrap: topology for the route table: %r", exc)
+            return None
         body = getattr(response, "body", None)
         if response.status != 200 or not isinstance(body, bytes | bytearray):
             return None

@@ -306,10 +306,9 @@ class TransferEngine:
                 notif=notif,
             )
 
-    def warm(self, link: PeerLink, timeout_s: float = 1.0, items: int | None = None) -> float:
+    def warm(self, link: PeerLink, timeout_s: float = 1.0) -> float:
         """WRITE item 0 of every KV region into the peer's item 0, as many times as a
-        request has descriptors (:data:`WARM_DESCRIPTORS`; ``items`` times if given), and
-        wait for it; seconds.
+        request has descriptors (:data:`WARM_DESCRIPTORS`), and wait for it; seconds.
 
         Item 0 is the padding page of SGLang's token pools on both sides (allocators hand
         out pages from 1), so no request's data is touched. The first WRITEs to a new peer
@@ -318,7 +317,7 @@ class TransferEngine:
         Raises ``TransferError``.
         """
         started = time.monotonic()
-        zero = np.zeros(warm_items(link) if items is None else max(1, items), dtype=np.int64)
+        zero = np.zeros(warm_items(link), dtype=np.int64)
         try:
             xfer = self.write(link, "kv", zero, zero)
         except TransferError as exc:

@@ -708,7 +708,9 @@ def test_bootstrap_readiness_counts_distinct_ranks(bootstrap: Bootstrap) -> None
     assert r.status_code == 200 and r.json()["attn_tp_size"] == 2
 
 
-def test_bootstrap_files_dp_attention_ranks_as_sglang_sends_them(bootstrap: Bootstrap) -> None:
+def test_bootstrap_files_dp_attention_ranks_as_sglang_sends_them(
+    bootstrap: Bootstrap, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``--enable-dp-attention --dp-size 2 --tp-size 2``: SGLang 0.5.23's prefill ranks
     register with ``system_dp_size`` 1 and ``system_dp_rank`` = their attention DP rank (the
     DP controller starts each scheduler with it). SGLang files them by attention DP rank;
@@ -744,6 +746,15 @@ def test_bootstrap_files_dp_attention_ranks_as_sglang_sends_them(bootstrap: Boot
     # with the prefill's parallel info as SGLang's topology query gets it (no page size)
     assert table.info == bootstrap.call("GET", agg).json()
     assert table.info["dp_size"] == 2 and table.info["page_size"] is None, table.info
+    # a release whose topology handler fails on our call: the routes still, no info (the
+    # decode's warm-up then waits for SGLang's own query)
+    monkeypatch.setattr(bootstrap.server, "_handle_route_get", _no_topology)
+    again = bootstrap_client.get_routes(server, None)
+    assert again == bootstrap_client.RouteTable(table.routes, None)
+
+
+async def _no_topology(request: Any) -> Any:
+    raise AttributeError("'SimpleNamespace' object has no attribute 'remote'")
 
 
 def test_a_bootstrap_without_the_route_table_is_asked_rank_by_rank() -> None:
