@@ -7,8 +7,13 @@
 # the decode's request (bench/decode_driver.py, HandshakeClock); the bench prints its handshake parts.
 #
 #     bash ci/gpu_first_request.sh        # after ci/gpu_site.sh's two-call install
+#     ROUNDS=3 GC_TRACE=1 bash ci/gpu_first_request.sh   # each run 3 times; slow GCs logged
 #
-# Outputs go to $OUT (first_request.txt: the figures; one log per run).
+# Each run prints the bench's figures and where the first request's time went after the
+# handshake (`first_request_steps_ms` of `bench --json`: its room's stamps from both sides,
+# ms after the decode's send_metadata). GC_TRACE=1 puts ci/gpu_gc_trace first on
+# PYTHONPATH: every process then logs its slow garbage collections (`gc-trace` lines).
+# Outputs go to $OUT (first_request.txt: the figures; one JSON and one log per run).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 OUT=${1:-${OUT:-/tmp/out}}
@@ -18,16 +23,34 @@ source ci/gpu_site.sh
 export PYTHONUNBUFFERED=1 SGLANG_HOST_IP=127.0.0.1
 SUMMARY="$OUT/first_request.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee "$SUMMARY"
+if [[ ${GC_TRACE:-0} == 1 ]]; then  # Python skips usercustomize where the user site is off
+  export PYTHONPATH=$PWD/ci/gpu_gc_trace:$PYTHONPATH
+  python3 -c 'import site; print("gc trace on:", site.ENABLE_USER_SITE)' | tee -a "$SUMMARY"
+fi
 for run in "auto 16" "auto 1" "staging 16"; do
   set -- $run
   for pre in "" "--preconnect"; do
-    name="$1-p$2${pre:+-pre}"
-    echo "== $name: path $1, page $2 ${pre:-(learned at the first request)}" | tee -a "$SUMMARY"
-    SGLANG_NIXL_PLUGIN_TRANSFER_PATH=$1 timeout -k 10 150 python3 -m sgl_nixl_plugin bench \
-      --mem VRAM --page-size "$2" --concurrency 1 --requests 20 --min-tokens 4096 \
-      --max-tokens 8192 --quiet $pre >"$OUT/$name.log" 2>&1
-    echo "exit $?" >>"$OUT/$name.log"
-    grep -E "ok / failed|corrupted|p50 / p99|first request|handshake|transfer path|exit|error" \
-      "$OUT/$name.log" | tee -a "$SUMMARY"
+    for round in $(seq "${ROUNDS:-1}"); do
+      name="$1-p$2${pre:+-pre}-$round"
+      echo "== $name: path $1, page $2 ${pre:-(learned at the first request)}" | tee -a "$SUMMARY"
+      SGLANG_NIXL_PLUGIN_TRANSFER_PATH=$1 timeout -k 10 150 python3 -m sgl_nixl_plugin bench \
+        --mem VRAM --page-size "$2" --concurrency 1 --requests 20 --min-tokens 4096 \
+        --max-tokens 8192 --quiet --json $pre >"$OUT/$name.json" 2>"$OUT/$name.log"
+      echo "exit $?" | tee -a "$OUT/$name.log" "$SUMMARY"
+      python3 - "$OUT/$name.json" <<'PY' | tee -a "$SUMMARY"
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))["results"][0]
+except (OSError, ValueError, KeyError, IndexError) as exc:
+    sys.exit(f"no figures: {exc!r}")
+print(f"ok {r['ok']} failed {r['failed']} corrupted {r['corrupt_pages']} path {r['path']}")
+print(f"first {r['first_request_ms']:.1f} ms (handshake {r['handshake_ms']:.1f}: "
+      + ", ".join(f"{k} {v:.1f}" for k, v in r["handshake_parts_ms"].items())
+      + f"), steady p50 {r['steady_p50_ms']:.1f} ms, {r['first_vs_steady_p50']:.2f}x per byte")
+print("first request's steps (ms after send_metadata): "
+      + ", ".join(f"{k} {v:.1f}" for k, v in r.get("first_request_steps_ms", {}).items()))
+PY
+      grep -E "gc-trace|Error|error" "$OUT/$name.log" | tail -8 | tee -a "$SUMMARY"
+    done
   done
 done
