@@ -8,11 +8,14 @@
 #
 #     bash ci/gpu_first_request.sh        # after ci/gpu_site.sh's two-call install
 #     ROUNDS=3 GC_TRACE=1 bash ci/gpu_first_request.sh   # each run 3 times; slow GCs logged
+#     ONLY='auto-p16-[0-9]' ROUNDS=6 bash ci/gpu_first_request.sh  # runs whose name matches
 #
 # Each run prints the bench's figures and where the first request's time went after the
 # handshake (`first_request_steps_ms` of `bench --json`: its room's stamps from both sides,
 # ms after the decode's send_metadata). GC_TRACE=1 puts ci/gpu_gc_trace first on
-# PYTHONPATH: every process then logs its slow garbage collections (`gc-trace` lines).
+# PYTHONPATH: every process then logs its slow garbage collections (`gc-trace` lines) and
+# each time a thread of its own woke 30 ms or more late (`late-wake` lines, with the stacks
+# of every thread at that moment: what held the interpreter or the host).
 # Outputs go to $OUT (first_request.txt: the figures; one JSON and one log per run).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -32,6 +35,7 @@ for run in "auto 16" "auto 1" "staging 16"; do
   for pre in "" "--preconnect"; do
     for round in $(seq "${ROUNDS:-1}"); do
       name="$1-p$2${pre:+-pre}-$round"
+      [[ -n ${ONLY:-} && ! $name =~ $ONLY ]] && continue
       echo "== $name: path $1, page $2 ${pre:-(learned at the first request)}" | tee -a "$SUMMARY"
       SGLANG_NIXL_PLUGIN_TRANSFER_PATH=$1 timeout -k 10 150 python3 -m sgl_nixl_plugin bench \
         --mem VRAM --page-size "$2" --concurrency 1 --requests 20 --min-tokens 4096 \
@@ -50,7 +54,7 @@ print(f"first {r['first_request_ms']:.1f} ms (handshake {r['handshake_ms']:.1f}:
 print("first request's steps (ms after send_metadata): "
       + ", ".join(f"{k} {v:.1f}" for k, v in r.get("first_request_steps_ms", {}).items()))
 PY
-      grep -E "gc-trace|Error|error" "$OUT/$name.log" | tail -8 | tee -a "$SUMMARY"
+      grep -E "gc-trace|late-wake|Error|error" "$OUT/$name.log" | tail -12 | tee -a "$SUMMARY"
     done
   done
 done

@@ -25,3 +25,35 @@ def _report(phase: str, info: dict) -> None:
 
 
 gc.callbacks.append(_report)
+
+
+def _watch(period_s: float = 0.005, late_s: float = 0.030) -> None:
+    """Report each wake-up of this thread that came ``late_s`` or more after it was due: the
+    process (or the host) did not run Python for that long. The stacks of the other threads
+    at that moment name who held the interpreter."""
+    import threading
+    import traceback
+
+    me = threading.get_ident()
+    due = time.perf_counter() + period_s
+    while True:
+        time.sleep(period_s)
+        now = time.perf_counter()
+        if now - due >= late_s:
+            frames = sys._current_frames()
+            lines = [f"late-wake pid {os.getpid()} {(now - due) * 1e3:.1f} ms at {now:.4f}"]
+            for ident, frame in frames.items():
+                if ident != me:
+                    stack = traceback.format_stack(frame, limit=4)
+                    lines.append(
+                        f"late-wake   thread {ident}: "
+                        + " | ".join(s.strip().replace("\n", " ") for s in stack)
+                    )
+            sys.stderr.write("\n".join(lines) + "\n")
+        due = now + period_s
+
+
+if os.environ.get("GC_TRACE_WAKE", "1") == "1":
+    import threading as _threading
+
+    _threading.Thread(target=_watch, name="late-wake", daemon=True).start()
