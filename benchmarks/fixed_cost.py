@@ -180,7 +180,9 @@ def run_session_in(tree: Path, backend: str, argv: list[str], timeout_s: float) 
     with tempfile.TemporaryDirectory(prefix="fixed-cost-") as tmp:
         spec, out = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec.write_text(json.dumps({"argv": argv, "backend": backend, "out": str(out)}))
-        env = {**os.environ, "PYTHONPATH": str(tree), "NIXL_LOG_LEVEL": "WARN"}
+        # the tree first; what PYTHONPATH held after it (a site folder of wheels on the GPU host)
+        path = os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])
+        env = {**os.environ, "PYTHONPATH": path, "NIXL_LOG_LEVEL": "WARN"}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--session-worker", str(spec)]
         try:
             proc = subprocess.run(
