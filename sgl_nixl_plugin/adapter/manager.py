@@ -28,6 +28,7 @@ from sgl_nixl_plugin.adapter.sglang_rooms import (
     sglang_table_sizes,
     tcp,
 )
+from sgl_nixl_plugin.adapter.topology_answer import AnsweredQuery
 from sgl_nixl_plugin.engine import ucx_prewarm
 from sgl_nixl_plugin.engine.engine import TransferEngine
 from sgl_nixl_plugin.engine.staging import gpu_uuid
@@ -239,6 +240,8 @@ class NixlPluginKVManager(CommonKVManager):
             self.transport.send_raw, self.build_receiver_registration_message,
             sg.prefill_info, self.settings.secret, sg.resolve_prefill_info,
         )  # fmt: skip
+        query = super().try_ensure_parallel_info  # answered from the warm-up's route table
+        ctx.first_look = AnsweredQuery(query, sg.prefill_info, ctx.warmup.topology)
         if memory is not None:
             offers = StagingOffers(
                 memory, rooms, ctx.send, (me.name, me.ip, me.port), lambda: self.engine.metadata
@@ -348,13 +351,9 @@ class NixlPluginKVManager(CommonKVManager):
     def try_ensure_parallel_info(self, bootstrap_addr: str, request_waits: bool = True) -> bool:
         """SGLang's first look at a prefill (``request_waits`` False: one named at start-up),
         beside which this decode registers with the prefill's ranks (``DecodeWarmup``)."""
-        query = super().try_ensure_parallel_info
         if not self.settings.warmup or self.disaggregation_mode != DisaggregationMode.DECODE:
-            return query(bootstrap_addr)
-        listener = self.decode.listener  # a warm-up's WRITE needs our progress
-        return self.decode.ctx.warmup.ensure(
-            bootstrap_addr, request_waits, query, lambda: listener.expect_data(warmup=True)
-        )
+            return super().try_ensure_parallel_info(bootstrap_addr)
+        return self.decode.ensure_prefill(bootstrap_addr, request_waits)
 
     def prefill_ready(self, bootstrap_addr: str) -> bool:
         """Every rank of that prefill linked this decode (always True, the warm-up off)."""

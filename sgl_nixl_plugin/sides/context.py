@@ -174,6 +174,9 @@ class DecodeContext(SideBase):
     staging: Any = None  # DecodeStaging when the staging path is on
     refused: dict[Endpoint, tuple[str, float]] = field(default_factory=dict)
     warmup: Any = None  # DecodeWarmup
+    # SGLang's first look at a prefill, answered from the warm-up's route table when it can
+    # (the facade's ``AnsweredQuery``: a callable of the prefill's bootstrap address)
+    first_look: Any = None
     # prefill ranks that write our KV pages in one pass (their RegistrationReply said so):
     # their requests get no staging slots
     one_pass: set[Endpoint] = field(default_factory=set)

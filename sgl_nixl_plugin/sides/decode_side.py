@@ -59,6 +59,12 @@ class DecodeSide:
             if ms is not None:
                 logger.debug("sgl-nixl: SGLang's HTTP client warmed in %.1f ms", ms)
 
+    def ensure_prefill(self, addr: str, request_waits: bool) -> bool:
+        """SGLang's first look at a prefill (``ctx.first_look``), its warm-up started beside
+        it (``DecodeWarmup.ensure``); the listener progresses the warm-up's WRITE."""
+        expect, look = self.listener.expect_data, self.ctx.first_look
+        return self.ctx.warmup.ensure(addr, request_waits, look, lambda: expect(warmup=True))
+
     def register_at_start(self, addrs: tuple[str, ...], ensure: Callable[[str], bool]) -> None:
         """Register with the prefills an operator named (``SGLANG_NIXL_PLUGIN_PREFILLS``),
         each once it is up, in a thread of its own; ``ensure`` is SGLang's first look at a
@@ -207,6 +213,8 @@ class DecodeSide:
         if self.ctx.warmup is not None:
             out["count.warmed_prefills"] = self.ctx.warmup.warmed()
             out["count.warmup_routes_reused"] = self.ctx.warmup.routes_reused
+        if self.ctx.first_look is not None:
+            out["count.topology_from_route_table"] = self.ctx.first_look.answered
         if self.ctx.flags is not None:
             out["decode.flag_words"] = self.ctx.flags.in_use
             out["count.flag_hits"] = self.ctx.flag_hits

@@ -57,6 +57,8 @@ class _Warming:
     stale: bool = False  # a rank was lost, restarted or refused: warm again on next start
     request_waits: bool = True  # started for a request (not ahead of them): no warm-up WRITE
     info_done: bool = False  # SGLang's own topology query of the prefill ended
+    table_done: bool = False  # the route table answered (or could not be had)
+    topology: dict[str, Any] | None = None  # its copy of SGLang's topology answer, unused
 
 
 class DecodeWarmup:
@@ -123,6 +125,19 @@ class DecodeWarmup:
             if w is not None and not w.info_done:
                 w.info_done = True
                 self._lock.notify_all()
+
+    def topology(self, addr: str) -> dict[str, Any] | None:
+        """The prefill's topology answer (SGLang's, as its own query would get it) that the
+        warm-up's route table carried, once, or None (no warm-up, a table without it, or
+        already taken). Waits for the table's answer while it is on its way (at most
+        ``ROUTE_WAIT_S``): SGLang's query then needs no request of its own."""
+        with self._lock:
+            w = self._by_addr.get(addr)
+            if w is None:
+                return None
+            self._lock.wait_for(lambda: w.table_done or w.stale, ROUTE_WAIT_S)
+            info, w.topology = w.topology, None
+        return info
 
     def take_route(self, addr: str, query: str) -> dict[str, Any] | None:
         """The route the warm-up got for ``query`` at ``addr``, once (a copy), or None: the
@@ -216,6 +231,7 @@ class DecodeWarmup:
             endpoints = None
         with self._lock:
             w.resolving = False
+            w.table_done = True
             self._lock.notify_all()
             if not endpoints:
                 w.done_at = time.monotonic()  # nothing to wait for: requests register
@@ -232,6 +248,10 @@ class DecodeWarmup:
         """The prefill ranks this decode's requests to ``addr`` can go to; each route is
         kept on ``w`` under its query as it comes in."""
         table = bootstrap_client.get_routes(addr, self._secret)
+        with self._lock:
+            w.topology = table.info if table is not None else None
+            w.table_done = True
+            self._lock.notify_all()
         info = self._parallel_info(addr, w, table)
         if info is None:
             return None

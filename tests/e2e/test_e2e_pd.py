@@ -59,6 +59,10 @@ def test_pd_matrix(prefill_tp: int, decode_tp: int, shape: str, page_size: int) 
     # decode's first request waited for it (the bench's decode learns its prefill then)
     warmed = [r["tables"].get("count.warmed_prefills") for r in res.decode.values()]
     assert warmed == [1] * decode_tp
+    # and SGLang's first look at the prefill was answered from the warm-up's route table
+    # (its own checks and rank mapping ran on it): one bootstrap query, not two
+    answered = [r["tables"].get("count.topology_from_route_table") for r in res.decode.values()]
+    assert answered == [1] * decode_tp
     tables = [r["tables"] for r in res.prefill.values()]
     light = [t.get("count.light_warmups", 0) for t in tables]
     assert sum(light) == max(prefill_tp, decode_tp) and all(light)
@@ -94,6 +98,8 @@ def test_pd_two_prefill_instances_one_decode() -> None:
     # clock counts it; no later room did
     shakes = [r["handshake_s"] for r in res.decode_results().values() if "handshake_s" in r]
     assert len(shakes) == 2 and all(s > 0 for s in shakes), shakes
+    (decode,) = [r["tables"] for r in res.decode.values()]
+    assert decode.get("count.topology_from_route_table") == 2
 
 
 @pytest.mark.timeout(180)
@@ -107,6 +113,7 @@ def test_a_decode_that_names_its_prefills_registers_before_its_first_request() -
     (decode,) = [r["tables"] for r in res.decode.values()]
     assert decode.get("count.warmed_prefills") == 2
     assert decode.get("count.warmup_routes_reused") == 2
+    assert decode.get("count.topology_from_route_table") == 2
     # each took the whole warm-up, its host-to-host WRITE (aux rows) into the decode's
     # scratch buffer included
     prefill = [

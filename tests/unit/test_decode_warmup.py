@@ -427,3 +427,37 @@ def test_the_named_prefills_are_host_port_pairs(text, want):
 def test_a_named_prefill_that_is_not_host_port_is_refused_by_name(bad):
     with pytest.raises(ValueError, match=r"SGLANG_NIXL_PLUGIN_PREFILLS: .* is not host:port"):
         prefill_addrs(f"a:1,{bad}")
+
+
+def test_sglangs_query_takes_the_tables_topology_once_after_waiting_for_it(monkeypatch):
+    """``topology``: SGLang's first look at the prefill waits for the warm-up's table
+    (here held back until the look waits) and gets its copy of the topology once; the next
+    look (or one from a table without it) gets None and asks for itself."""
+    gate = threading.Event()
+    table = _table({(0, 0): 7000, (0, 1): 7001})
+    h = Harness(monkeypatch, None, table=table, table_info=TOPOLOGY, resolve=lambda t: None)
+    real = decode_warmup.bootstrap_client.get_routes
+
+    def held(addr: str, secret: bytes | None) -> Any:
+        assert gate.wait(10), "the test never let the table query through"
+        return real(addr, secret)
+
+    monkeypatch.setattr(decode_warmup.bootstrap_client, "get_routes", held)
+    h.warmup.start(ADDR)
+    got: list[Any] = []
+    look = threading.Thread(target=lambda: got.append(h.warmup.topology(ADDR)))
+    look.start()
+    look.join(0.2)  # a look that did not wait would have ended with None by now
+    assert look.is_alive() and not got
+    gate.set()
+    look.join(10)
+    assert got == [TOPOLOGY]
+    assert h.warmup.topology(ADDR) is None  # taken: a second look asks SGLang's way
+    h.warmup.info_fetched(ADDR)  # SGLang's query ended (without info here)
+
+
+def test_a_table_without_the_topology_gives_sglangs_query_nothing(monkeypatch):
+    h = Harness(monkeypatch, _info([0]), table=_table({(0, 0): 7000}))
+    h.start(expected=1)
+    assert h.warmup.topology(ADDR) is None
+    assert h.warmup.topology("127.0.0.1:1") is None  # no warm-up of that prefill
