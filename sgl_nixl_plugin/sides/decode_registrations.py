@@ -9,6 +9,7 @@ the peer tables; ``_set_up`` runs on the setup thread and only reads the context
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -60,6 +61,7 @@ class Setup:
     stage_later: bool = False  # it may stage: set up at its first chunk the rule would stage
     reason: str = ""
     unreachable: str = ""
+    took: str = ""  # for the log: where the setup's time went (a decode's request may wait)
 
 
 class DecodeRegistrations:
@@ -181,7 +183,7 @@ class DecodeRegistrations:
     def _set_up(self, reg: PeerRegistration, pages: tuple[int, int]) -> Setup:
         """On the setup thread: the decode's link, its warm-up WRITEs and (one pass) its
         mapped pool. Reads the context, changes no table."""
-        ctx = self.ctx
+        ctx, t0 = self.ctx, time.perf_counter()
         try:
             layout = ctx.head_layout
             dst_heads = (
@@ -219,7 +221,7 @@ class DecodeRegistrations:
             )
         except TransferError as exc:
             return Setup(unreachable=str(exc))
-        light = reg.agent_name in self.request_waits
+        light, t_link = reg.agent_name in self.request_waits, time.perf_counter()
         one_pass = attach_one_pass(
             settings=ctx.settings,
             link=link,
@@ -235,10 +237,17 @@ class DecodeRegistrations:
         # every chunk is to be staged)
         stages = may_stage and self.staging.ready_now(reg)
         area = registered_staging(reg) if stages else None
+        t_one_pass = time.perf_counter()
         warm_ms = self._warm(link, reg.agent_name, area, reg.scratch, light)
         if stages and not geometry.is_whole_items:
             ctx.warm_copier(geometry.unit_len, geometry.src_stride, geometry.src_offset)
+        t1 = time.perf_counter()
+        took = (
+            f"; set up in {(t1 - t0) * 1e3:.1f} ms (link {(t_link - t0) * 1e3:.1f}, one pass "
+            f"{(t_one_pass - t_link) * 1e3:.1f}, warm-up {(t1 - t_one_pass) * 1e3:.1f})"
+        )
         return Setup(
+            took=took,
             link=link,
             warm_ms=warm_ms,
             warm_light=light,
@@ -317,7 +326,7 @@ class DecodeRegistrations:
         else:
             pages = (ctx.compat.page_size, reg.compat.page_size) if ctx.compat else (0, 0)
             logger.info(
-                "sgl-nixl: decode %s (tp %d/%d) at %s:%s connected%s%s%s%s",
+                "sgl-nixl: decode %s (tp %d/%d) at %s:%s connected%s%s%s%s%s",
                 reg.agent_name,
                 reg.tp_rank,
                 reg.tp_size,
@@ -332,6 +341,7 @@ class DecodeRegistrations:
                 if setup.warm_light
                 else "",
                 setup.one_pass,
+                setup.took,
             )
         self.reply(
             endpoint,
