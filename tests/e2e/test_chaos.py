@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.chaos import Chaos, ChaosConfig, Req
+from helpers.chaos import Chaos, ChaosConfig, Fault, Req, Verdict
 from helpers.faults import FAULT_ENV, RankProc, make_requests, netns_pair, netns_unavailable
 from helpers.subproc import TIMEOUT_SCALE
 
@@ -159,6 +159,55 @@ def test_chaos_hold_released_before_its_sender_started_still_ends(tmp_path: Path
     assert all(ev["ok"] for ev in pre.values()), pre
     for ev in dec.values():
         assert ev["ok"] and not any(ev.get(k) for k in ("bad_pages", "bad_aux", "bad_state")), ev
+
+
+def _judge_cut_then_kill(tmp_path: Path, cut_s: float) -> tuple[list[str], list[str]]:
+    """The checker on one netns room (no processes): requested 0.9 s before a cut of
+    ``cut_s`` seconds, its prefill killed 6.5 s after the cut began with the room still in
+    flight there (no outcome), the decode failing it 0.09 s after the kill."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    chaos = Chaos(ChaosConfig(SECONDS, 1, liveness=(0.5, 6)), tmp_path)
+    try:
+        t = 1000.0
+        chaos.faults = [
+            Fault("cut", "link", t, t_end=t + cut_s),
+            Fault("kill_prefill", "prefill.g2", t + 6.5),
+        ]
+        chaos.cluster.ranks = {
+            "prefill.g2": SimpleNamespace(killed_at=t + 6.5),
+            "decode1.g1": SimpleNamespace(killed_at=None),
+        }
+        reason = "prefill rank 10.250.0.1:35823 closed its connection"
+        q = Req(1, "prefill.g2", "decode1.g1", t - 0.9, bound_t=t - 0.89)
+        q.dec = {"kind": "done", "t": t + 6.59, "ok": False, "reason": reason}
+        v, lat = Verdict(), defaultdict(float)
+        outcomes = [chaos._judge_side(q, side, v, lat) for side in ("dec", "pre")]
+    finally:
+        chaos.cluster.ranks = {}  # none started
+        chaos.close()
+    return outcomes, v.problems
+
+
+def test_the_checker_waits_out_tcps_resend_after_a_cut_and_takes_any_fault_that_hit(
+    tmp_path: Path,
+) -> None:
+    """Seed 115537945 (netns soak): rooms requested just before a cut were still in flight
+    on the prefill when it was killed 6.5 s after the cut began; the checker called them
+    hung (its cut bound: the liveness deadline plus 2 s) and the decode's failure at the
+    kill late for the cut. The link had come back before the deadline (neither side gave
+    the other up), and TCP resends what a cut held on its backed-off timer: the room may
+    go on up to as long after the restore as the cut lasted, plus a second. And a failure
+    the kill caused is judged by the kill's bound."""
+    outcomes, problems = _judge_cut_then_kill(tmp_path, 2.9)
+    assert outcomes == ["failed after cut", "lost with its killed process"], problems
+    assert problems == []
+    # a short cut leaves no such room: one still in flight 6.5 s later is hung, and the
+    # decode's failure is the kill's (outside the cut's bound, inside the kill's)
+    outcomes, problems = _judge_cut_then_kill(tmp_path, 1.0)
+    assert outcomes == ["failed after kill_prefill", "hung"]
+    assert len(problems) == 1 and "hung" in problems[0], problems
 
 
 def test_a_restarted_ranks_first_outcome_reaches_the_checker() -> None:

@@ -598,14 +598,28 @@ class Chaos:
         return f.kind == "kill_decode" and f.target == q.decode
 
     def _allowed(self, q: Req, side: str, f: Fault) -> float:
-        """The latest time ``q``'s ``side`` may end after fault ``f`` hit it."""
+        """The latest time ``q``'s ``side`` may end after fault ``f`` hit it.
+
+        A link back before the liveness deadline gives no side up: the room goes on once TCP
+        resends what the cut held, on its backed-off timer (resends at 0.2, 0.6, 1.4, 3.0 s
+        after a segment's first send; a new connection's SYN at 1, 3, 7 s). The resend can
+        come up to as long after the restore as the cut lasted, plus a second: a 1.5 s cut of
+        a NIXL WRITE stream between two namespaces held every WRITE until 3.2-3.3 s after
+        it began (its WRITEs took 2.9-3.2 s)."""
         bound = self.cfg.cut_bound_s if f.kind == "cut" else self.cfg.fail_bound_s
         allowed = max(f.t, q.t0) + bound
+        interval, misses = self.cfg.liveness
+        if f.kind == "cut" and f.t_end is not None and f.t_end - f.t < interval * misses:
+            resent = f.t_end + (f.t_end - f.t) + 1.0
+            allowed = max(allowed, resent + self.cfg.fail_bound_s)
         if side == "pre" and (q.bound_t is None or q.bound_t > f.t):
             # the decode's request never reached this sender: only SGLang's bootstrap
             # timeout can end it
             allowed = max(allowed, q.t0 + self.cfg.bootstrap_timeout_s + self.cfg.fail_bound_s)
         return allowed
+
+    def _latest(self, q: Req, side: str, faults: list[Fault]) -> float:
+        return max(self._allowed(q, side, f) for f in faults)
 
     def _judge_side(self, q: Req, side: str, v: Verdict, lat: dict[str, float]) -> str:
         ev = q.dec if side == "dec" else q.pre
@@ -620,7 +634,7 @@ class Chaos:
                     for f in self.faults
                     if self._relevant(q, side, f) and self._in_flight(q, f, killed)
                 ]
-                due = self._allowed(q, side, earlier[0]) if earlier else q.t0 + self.cfg.ok_bound_s
+                due = self._latest(q, side, earlier) if earlier else q.t0 + self.cfg.ok_bound_s
                 if killed <= due:
                     return "lost with its killed process"
                 v.problems.append(
@@ -650,8 +664,10 @@ class Chaos:
         if not hits:
             v.problems.append(f"room {q.room}: Failed on {name} with no fault: {reason[:300]}")
             return "failed: no fault"
-        f = hits[0]
-        allowed = self._allowed(q, side, f)
+        # it may come from any fault that hit it: the first whose bound it keeps (a cut,
+        # then the prefill's kill that ended the rooms the cut held), else the first
+        f = next((h for h in hits if t_end <= self._allowed(q, side, h)), hits[0])
+        allowed = self._latest(q, side, hits)
         key = f.kind
         if side == "pre" and (q.bound_t is None or q.bound_t > f.t):
             key += " (bootstrap timeout)"
