@@ -26,9 +26,9 @@ source ci/gpu_site.sh
 export PYTHONUNBUFFERED=1 SGLANG_HOST_IP=127.0.0.1
 SUMMARY="$OUT/first_request.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee "$SUMMARY"
-if [[ ${GC_TRACE:-0} == 1 ]]; then  # Python skips usercustomize where the user site is off
+if [[ ${GC_TRACE:-0} == 1 ]]; then  # its sitecustomize runs the GPU stubs' after its own
   export PYTHONPATH=$PWD/ci/gpu_gc_trace:$PYTHONPATH
-  python3 -c 'import site; print("gc trace on:", site.ENABLE_USER_SITE)' | tee -a "$SUMMARY"
+  python3 -c 'import gc, sgl_kernel; print("gc trace on:", bool(gc.callbacks), "stubs:", type(sgl_kernel).__name__)' | tee -a "$SUMMARY"
 fi
 for run in "auto 16" "auto 1" "staging 16"; do
   set -- $run

@@ -1,9 +1,11 @@
 """Put first on PYTHONPATH (``GC_TRACE=1 bash ci/gpu_first_request.sh``) to have every process
 report its slow garbage collections on stderr: each full (generation 2) one and any other
-of 10 ms or more, with its process id and ``time.perf_counter()`` at its end. A lead for
-the learned first request's occasional 100-190 ms wait on the GPU host: a full collection
-in a process that imported SGLang and torch takes ~290 ms on the CPU host. (The GPU stubs
-own ``sitecustomize``; Python imports ``usercustomize`` after it.)"""
+of 10 ms or more, with its process id and ``time.perf_counter()`` at its end; and each
+wake-up of a watcher thread that came 30 ms or more late, with every thread's stack. A lead
+for the learned first request's occasional 100-190 ms wait on the GPU host. It is a
+``sitecustomize`` (the GPU machine runs Python with the user site off, so a
+``usercustomize`` never loads) and runs the next ``sitecustomize`` on the path after it
+(the GPU stubs'), which it shadows."""
 
 import gc
 import os
@@ -57,3 +59,18 @@ if os.environ.get("GC_TRACE_WAKE", "1") == "1":
     import threading as _threading
 
     _threading.Thread(target=_watch, name="late-wake", daemon=True).start()
+
+
+def _chain() -> None:
+    """Run the ``sitecustomize`` this one shadows (the next on ``sys.path``)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for folder in sys.path:
+        path = os.path.join(folder, "sitecustomize.py")
+        if folder and os.path.abspath(folder) != here and os.path.isfile(path):
+            with open(path) as f:
+                code = compile(f.read(), path, "exec")
+            exec(code, {"__name__": "sitecustomize_shadowed", "__file__": path})
+            return
+
+
+_chain()
