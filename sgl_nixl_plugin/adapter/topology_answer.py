@@ -129,4 +129,7 @@ class AnsweredQuery:
         finally:
             if self._stand_in.done():
                 self.answered += 1
-                logger.debug("sgl-nixl: prefill %s: SGLang's topology from the route table", addr)
+                logger.debug(
+                    "sgl-nixl: prefill %s: SGLang's first look answered from the route table",
+                    addr,
+                )

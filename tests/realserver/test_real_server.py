@@ -342,6 +342,15 @@ def _log_problems(stack: PDStack, sent: int) -> list[str]:
                     f"{role} log: {warm!r} {_count(log, warm)} times, expected {expected}; its "
                     "warm-up and connection lines:\n  " + "\n  ".join(why[-8:])
                 )
+            if role == "decode":
+                # each decode rank's first look at the prefill (SGLang's topology query) was
+                # answered from the route table its warm-up asked for: one GET, not two
+                first = _count(log, "SGLang's first look answered from the route table")
+                if first != decode_ranks:
+                    problems.append(
+                        f"decode log: SGLang's first look answered from the route table {first} "
+                        f"times, expected {decode_ranks}"
+                    )
             if role == "decode" and stack.named:
                 problems += _named_prefill_problems(log, decode_ranks)
             if role == "prefill" and stack.prefill_pp > 1:
