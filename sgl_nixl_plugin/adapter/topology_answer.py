@@ -37,7 +37,6 @@ class _Answer:
     ok = True
 
     def __init__(self, data: dict[str, Any]) -> None:
-        self._data = data
         self.text = json.dumps(data)
 
     def json(self) -> Any:

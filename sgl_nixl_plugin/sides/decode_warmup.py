@@ -119,9 +119,12 @@ class DecodeWarmup:
 
     def info_fetched(self, addr: str) -> None:
         """SGLang's topology query of ``addr`` ended, with its info or without: a warm-up
-        waiting for it goes on."""
+        waiting for it goes on, and the table's copy of the topology is dropped (it answers
+        only the look it was fetched beside, never a later one)."""
         with self._lock:
             w = self._by_addr.get(addr)
+            if w is not None:
+                w.topology = None
             if w is not None and not w.info_done:
                 w.info_done = True
                 self._lock.notify_all()

@@ -456,6 +456,16 @@ def test_sglangs_query_takes_the_tables_topology_once_after_waiting_for_it(monke
     h.warmup.info_fetched(ADDR)  # SGLang's query ended (without info here)
 
 
+def test_the_tables_topology_answers_only_the_look_it_was_fetched_beside(monkeypatch):
+    """A look that did not take the copy (SGLang had the info already: a warm-up started
+    again after a rank was lost) ends with ``info_fetched``; a later look, once SGLang's
+    cache is gone, must ask for itself, not take a copy fetched before."""
+    h = Harness(monkeypatch, _info([0]), table=_table({(0, 0): 7000}), table_info=TOPOLOGY)
+    h.start(expected=1)  # the table came (its copy kept), then the registration went
+    h.warmup.info_fetched(ADDR)
+    assert h.warmup.topology(ADDR) is None
+
+
 def test_a_table_without_the_topology_gives_sglangs_query_nothing(monkeypatch):
     h = Harness(monkeypatch, _info([0]), table=_table({(0, 0): 7000}))
     h.start(expected=1)
