@@ -10,7 +10,8 @@
 #     ROUNDS=3 GC_TRACE=1 bash ci/gpu_first_request.sh   # each run 3 times; slow GCs logged
 #     ONLY='auto-p16-[0-9]' ROUNDS=6 bash ci/gpu_first_request.sh  # runs whose name matches
 #
-# Each run prints the bench's figures and where the first request's time went after the
+# Each run prints the bench's figures, the prefill's setup time of the decode ("set up in",
+# from the prefill's INFO log), and where the first request's time went after the
 # handshake (`first_request_steps_ms` of `bench --json`: its room's stamps from both sides,
 # ms after the decode's send_metadata). GC_TRACE=1 puts ci/gpu_gc_trace first on
 # PYTHONPATH: every process then logs its slow garbage collections (`gc-trace` lines) and
@@ -23,7 +24,9 @@ OUT=${1:-${OUT:-/tmp/out}}
 mkdir -p "$OUT"
 # shellcheck source=ci/gpu_site.sh
 source ci/gpu_site.sh
-export PYTHONUNBUFFERED=1 SGLANG_HOST_IP=127.0.0.1
+# INFO: the prefill's "connected" line says how long each decode's setup took (link, one-pass
+# mapping, warm-up): what a learned decode's first request waits for
+export PYTHONUNBUFFERED=1 SGLANG_HOST_IP=127.0.0.1 SGLANG_NIXL_PLUGIN_BENCH_LOG=INFO
 SUMMARY="$OUT/first_request.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee "$SUMMARY"
 if [[ ${GC_TRACE:-0} == 1 ]]; then  # its sitecustomize runs the GPU stubs' after its own
@@ -54,6 +57,7 @@ print(f"first {r['first_request_ms']:.1f} ms (handshake {r['handshake_ms']:.1f}:
 print("first request's steps (ms after send_metadata): "
       + ", ".join(f"{k} {v:.1f}" for k, v in r.get("first_request_steps_ms", {}).items()))
 PY
+      grep -o "set up in .*" "$OUT/$name.log" | head -4 | tee -a "$SUMMARY"
       grep -E "gc-trace|late-wake|Error|error" "$OUT/$name.log" | tail -12 | tee -a "$SUMMARY"
     done
   done
