@@ -82,10 +82,10 @@ VARS: tuple[Var, ...] = (
        "shared memory (/dev/shm), not after the status message's hop (set it on the decode "
        "or the prefill; 0 on either side turns it off)",
        field="done_flags"),
-    _v("WRITE_NOTES", "flag", False, "tuning",
+    _v("WRITE_NOTES", "flag", True, "tuning",
        "a small direct room ends when the decode's scheduler sees the NIXL notification "
-       "of its last WRITE, not after the status message's hop (set it on the decode; off "
-       "by default: not a clear win on the CPU host it was measured on)",
+       "of its last WRITE, not after the status message's hop (read by the decode; 0 "
+       "leaves every direct room to the status message)",
        field="write_notes"),
     _v("STAGING_BYTES", "int", -1, "user",
        "staging buffer bytes; 0 turns staging off, -1: by memory kind", field="staging_bytes"),
@@ -270,7 +270,7 @@ class Settings:
     prefills: str = ""  # bootstrap host:port list a decode registers with at start-up
     cuda_ipc: bool = True  # a decode exports its KV pool for one-pass transfers
     done_flags: bool = True  # one-pass rooms end through a flag in the decode's /dev/shm
-    write_notes: bool = False  # small direct rooms end through their WRITEs' notifications
+    write_notes: bool = True  # small direct rooms end through their WRITEs' notifications
     staging_bytes: int = -1  # -1: by memory kind (see ``staging_sizes``); 0: staging off
     staging_piece_bytes: int = -1
     kv_mem_kind: str = ""  # "" = what the pointers say, else DRAM/VRAM

@@ -1,7 +1,8 @@
 """Direct rooms end through their WRITEs' NIXL notifications (``wire.notes``) on a decode
-that asks for them (``SGLANG_NIXL_PLUGIN_WRITE_NOTES=1``), over real NIXL agents on DRAM:
-every room of a small workload is ended by its notes and lands byte-exact; staged rooms
-and a decode with the setting off (the default) end through the status."""
+that asks for them (the default; ``SGLANG_NIXL_PLUGIN_WRITE_NOTES=0`` asks none), over real
+NIXL agents on DRAM: every room of a small workload is ended by its notes and lands
+byte-exact, with the setting left at its default too; staged rooms and a decode with the
+setting off end through the status."""
 
 from __future__ import annotations
 
@@ -21,12 +22,16 @@ def _rooms(res) -> int:
     return sum(1 for ranks in res.decode.values() for r in ranks.get("results", {}).values())
 
 
-@pytest.mark.parametrize("prefill_tp", [1, 2], ids=["tp1", "tp2to1"])
-def test_direct_rooms_end_through_their_notes_not_the_status(prefill_tp: int) -> None:
+@pytest.mark.parametrize(
+    "prefill_tp, notes",
+    [(1, NOTES), (2, NOTES), (1, {})],
+    ids=["tp1", "tp2to1", "tp1-default"],
+)
+def test_direct_rooms_end_through_their_notes_not_the_status(prefill_tp: int, notes) -> None:
     """Chunked rooms with state rows: each prefill rank's last WRITE (the aux row or a
     state) carries the count; without notes every room waits for the status (0 hits)."""
     w = workload("tiny", 16, requests=10, chunks=(1, 3))
-    env = {"SGLANG_NIXL_PLUGIN_TRANSFER_PATH": "direct", **NOTES}
+    env = {"SGLANG_NIXL_PLUGIN_TRANSFER_PATH": "direct", **notes}
     res = run_pd(w, prefill_tp=prefill_tp, env=env)
     assert_clean(res)
     # a rank's status message may still beat its notes to the decode's poll (both leave
@@ -36,7 +41,7 @@ def test_direct_rooms_end_through_their_notes_not_the_status(prefill_tp: int) ->
 
 @pytest.mark.parametrize(
     "env",
-    [{}, {"SGLANG_NIXL_PLUGIN_TRANSFER_PATH": "staging", **NOTES}],
+    [{"SGLANG_NIXL_PLUGIN_WRITE_NOTES": "0"}, {"SGLANG_NIXL_PLUGIN_TRANSFER_PATH": "staging"}],
     ids=["notes-off", "staged"],
 )
 def test_rooms_without_a_note_count_end_through_the_status(env: dict) -> None:

@@ -113,9 +113,9 @@ def test_notes_do_not_override_a_room_that_already_ended(decode) -> None:
 def test_no_notes_are_asked_when_off_for_large_rooms_or_when_the_rank_writes_in_one_pass(
     decode,
 ) -> None:
-    decode.ctx.settings = Settings()  # the default: off
+    decode.ctx.settings = Settings(write_notes=False)
     assert not _request(decode, ROOM)
-    decode.ctx.settings = Settings(write_notes=True)
+    decode.ctx.settings = Settings()  # the default: on
     assert not _request(decode, ROOM + 10, pages=NOTES_MAX_BYTES // (2 << 10) + 1)  # large
     assert _request(decode, ROOM + 11, pages=NOTES_MAX_BYTES // (2 << 10))
     decode.ctx.one_pass.add(EP)
