@@ -4,10 +4,9 @@ The record holds what this side knows about a room from SGLang's receiver ``init
 prefill ranks that serve it) to its ``_clear`` (or, for a failed host room, to the end of
 its drain): where its transfer requests go, its destination pages, the staging slots it
 holds (in the ``SlotTable``), its place in the grant order, and cached device copies of its
-page numbers. It is a room machine (``decode_machine``): this table feeds it every event
-under its lock and carries out the effects; the record leaves the table on the machine's
-``Close`` only (``_close``). Queries about a room's data and slots see live rooms only
-(``DecodePhase.live``); a draining host room answers only for its drain.
+page numbers. It is a room machine (``decode_machine``) fed every event under this table's
+lock, which carries out the effects and drops the record on ``Close`` only. Queries about a
+room's data and slots see live rooms only (a draining host room answers for its drain).
 
 Slot policy (why no room waits for another forever):
 
@@ -34,6 +33,7 @@ import numpy as np
 from sgl_nixl_plugin.protocol.decode_machine import (
     AbortAcked,
     Aborted,
+    ApplyStatus,
     Cleared,
     Close,
     DecodeMachine,
@@ -140,12 +140,19 @@ class DecodeRooms:
                 self._close(rec)
         return effects, grants
 
-    def feed(self, room: int, event: Event) -> list[Effect]:
-        """Apply ``event`` to ``room`` while SGLang holds its receiver; the effects this
-        table does not carry out itself (``ApplyStatus``) are the caller's."""
+    def feed(self, room: int, event: Event, received: float | None = None) -> list[Effect]:
+        """Apply ``event`` to ``room`` while SGLang holds its receiver; ``ApplyStatus`` is the
+        caller's. An outcome ``received`` then stamps "status" only while the room's is open
+        (no-op after notes or a flag), "applied" as it goes to SGLang (before its poll can)."""
         with self.lock:
-            rec = self._live(room)
-            return self._feed(rec, event)[0] if rec is not None else []
+            if (rec := self._live(room)) is None:
+                return []
+            if received is not None and rec.outcome is None:
+                rec.times["status"] = received
+            effects = self._feed(rec, event)[0]
+            if any(isinstance(e, ApplyStatus) for e in effects):
+                rec.times["applied"] = time.perf_counter()
+            return effects
 
     def _release_slots(self, rec: DecodeRoom, failed: bool) -> list[Grant]:
         room = rec.room
@@ -191,10 +198,11 @@ class DecodeRooms:
         """``room``'s record while SGLang holds its receiver."""
         return self._live(room)
 
-    def mark(self, room: int, step: str, first: bool = False) -> None:
+    def mark(self, room: int, step: str, first: bool = False, open_only: bool = False) -> None:
         """``step`` of ``room`` happened now (``first``: keep the earliest, else the latest)."""
         rec = self._live(room)
-        if rec is not None and not (first and step in rec.times):
+        decided = open_only and rec is not None and rec.outcome is not None
+        if rec is not None and not (first and step in rec.times) and not decided:
             rec.times[step] = time.perf_counter()
 
     def records(self) -> list[DecodeRoom]:

@@ -40,6 +40,8 @@ IDLE_POLL_MS = 100
 #: While not idle, how often to ask whether that is still so (the last room's end is seen
 #: this soon, so the 1 ms polling stops with it).
 BUSY_RECHECK_S = 0.02
+#: How much longer than the prefill's warm-up bound to progress after a staging offer went.
+STAGING_WARM_SLACK_S = 0.5
 
 
 class DecodeListener(ControlLoop):
@@ -111,18 +113,25 @@ class DecodeListener(ControlLoop):
     def _update_poll(self) -> set[Endpoint]:
         """The wake-up period for what is due now: 1 ms while some prefill owes data or an
         ABORT_ACK (or an ``expect_data`` raced with this check), ``WARMUP_POLL_MS`` while
-        only a warm-up waits; returns the prefill ranks that owe data."""
+        only a warm-up waits (ours, or a prefill's into our staging area); returns the
+        prefill ranks that owe data."""
         ctx = self.ctx
         expected = self._expected  # before looking at the rooms: a later request shows here
         pending = self.side.pending_endpoints()
         if pending or ctx.sglang.abort_acks_pending() or expected != self._expected:
             self._poll_ms = BUSY_POLL_MS
-        elif ctx.warmup is not None and ctx.warmup.waiting():
+        elif ctx.warmup is not None and ctx.warmup.waiting() or self._staging_warms():
             self._poll_ms = WARMUP_POLL_MS
         else:
             self._poll_ms = IDLE_POLL_MS
         self._recheck_at = time.monotonic() + BUSY_RECHECK_S
         return pending
+
+    def _staging_warms(self) -> bool:
+        """A prefill rank may be WRITEing into our staging area (its warm-up after our
+        offer): its WRITE moves only as fast as we progress (UCX over TCP)."""
+        staging, bound = self.ctx.staging, self.ctx.settings.warmup_timeout_s
+        return staging is not None and staging.offers.warming(bound + STAGING_WARM_SLACK_S)
 
     def _dispatch(self, msg: Any) -> None:
         """Hand ``msg`` to its handler: the first of ``_handlers`` whose type it is."""
@@ -134,12 +143,11 @@ class DecodeListener(ControlLoop):
 
     def _on_status(self, msg: TransferStatus) -> None:
         rooms, staging = self.ctx.rooms, self.ctx.staging
-        rooms.mark(msg.room, "status")
         if staging is not None and rooms.is_staged(msg.room):
+            rooms.mark(msg.room, "status", open_only=True)
             staging.submit(msg)  # after the room's pieces already queued for scatter
         else:
-            decode_status.status_in(self.ctx, msg)
-            rooms.mark(msg.room, "applied")
+            decode_status.status_in(self.ctx, msg, time.perf_counter())
 
     def _staging_for(self, msg: Any) -> Any:
         """This decode's staging, or None (and ``msg`` rejected) when it has none."""
@@ -239,6 +247,7 @@ class DecodeListener(ControlLoop):
                     else None
                 )
                 ctx.staging.offers.offer(endpoint, then)
+                self.expect_data(warmup=True)  # its warm-up WRITE into our area follows
             else:
                 ctx.staging.offers.withdraw(endpoint, declined=True)
 

@@ -146,9 +146,7 @@ class DecodeSide:
                     continue
                 if count_note(other.notes, note.prefill_rank, note.total):
                     self.ctx.note_hits += 1
-                    rooms.mark(note.room, "status", first=True)
                     decode_status.success_in(self.ctx, note.room, note.prefill_rank)
-                    rooms.mark(note.room, "applied", first=True)
                     other.noting = sg.is_open(note.room)  # other ranks' Success due
         if not sg.is_open(room):
             rec.noting = False

@@ -257,8 +257,7 @@ class DecodeStaging:
                             self.rooms.abort_acked(item.room, (item.ip, item.port))
                         self._note_abort_ack(item.room, item.prefill_rank, item.generation)
                     else:
-                        self._apply_status(item)
-                        self.rooms.mark(item.room, "applied")
+                        self._apply_status(item)  # its outcome stamps "applied"
                         if item.status == SUCCESS:
                             self.messenger(self.rooms.sender_done(item.room, (item.ip, item.port)))
                 except Exception:

@@ -10,6 +10,8 @@ timeouts, a failed bootstrap) is told to the machine as ``FailedHere`` as SGLang
 
 from __future__ import annotations
 
+import time
+
 from sgl_nixl_plugin.protocol.decode_machine import (
     FAILED,
     SUCCESS,
@@ -26,8 +28,9 @@ from sgl_nixl_plugin.wire.messages import TransferStatus
 Endpoint = tuple[str, int]
 
 
-def status_in(ctx: DecodeContext, msg: TransferStatus) -> None:
-    """A prefill rank's status message for one of our rooms (behind its scatters)."""
+def status_in(ctx: DecodeContext, msg: TransferStatus, received: float | None = None) -> None:
+    """A prefill rank's status message for one of our rooms (behind its scatters);
+    ``received``: when it came, if it was not held for them."""
     if msg.status not in (SUCCESS, FAILED) or ctx.rooms.get(msg.room) is None:
         # readiness, not an outcome; or a room with no live record of ours (a receiver
         # bootstrapped without our init, a room cleared): SGLang's own rules decide
@@ -36,14 +39,14 @@ def status_in(ctx: DecodeContext, msg: TransferStatus) -> None:
     event = StatusIn(
         msg.prefill_rank, msg.status == SUCCESS, msg.reason, ctx.sglang.senders_of(msg.room)
     )
-    _apply(ctx, msg.room, ctx.rooms.feed(msg.room, event))
+    _apply(ctx, msg.room, ctx.rooms.feed(msg.room, event, received))
 
 
 def success_in(ctx: DecodeContext, room: int, rank: int) -> None:
     """A prefill rank's Success learned before its status message (the notes on its
     WRITEs all landed); the message, when it comes, then changes nothing."""
     event = StatusIn(rank, True, "", ctx.sglang.senders_of(room))
-    _apply(ctx, room, ctx.rooms.feed(room, event))
+    _apply(ctx, room, ctx.rooms.feed(room, event, time.perf_counter()))
 
 
 def fail(ctx: DecodeContext, room: int, reason: str) -> bool:
@@ -87,12 +90,10 @@ def check_flags(ctx: DecodeContext, room: int) -> None:
     seen = [word for word, value, _ in rec.flags_due if board.seen(word, value)]
     if not seen:
         return
-    rooms, expected = ctx.rooms, ctx.sglang.senders_of(room)
-    rooms.mark(room, "status", first=True)
+    rooms, expected, now = ctx.rooms, ctx.sglang.senders_of(room), time.perf_counter()
     for word in seen:
         ctx.flag_hits += 1
-        _apply(ctx, room, rooms.feed(room, FlagSeen(word, expected)))
-    rooms.mark(room, "applied", first=True)
+        _apply(ctx, room, rooms.feed(room, FlagSeen(word, expected), now))
 
 
 def _apply(ctx: DecodeContext, room: int, effects: list[Effect]) -> None:

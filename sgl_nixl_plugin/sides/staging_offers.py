@@ -10,13 +10,16 @@ staged to every rank that did not decline (a rank's first requests leave before 
 says whether it stages): rooms staged while the buffer is allocated wait for slots like
 any room that finds none (the prefill's ``SLOT_WAIT`` bounds it, then the chunk goes
 direct). After a failed allocation no request is staged, and the ranks that asked get
-the reason.
+the reason. A rank that takes the area WRITEs into its spare tail at once (its warm-up,
+bounded by its ``WARMUP_TIMEOUT``): ``warming`` tells the listener to progress the
+transport meanwhile, which UCX over TCP needs on the target too.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +56,7 @@ class StagingOffers:
         self.offered: set[Endpoint] = set()  # ranks the area went to
         self.declined: set[Endpoint] = set()  # ranks that do not stage into us
         self.sent = 0  # StagingOffers sent with an area
+        self.sent_at = float("-inf")  # monotonic time the latest of them went
         self._allocated = False  # the allocation is over (the buffer, or its error)
         # ranks waiting for the allocation, and what to run once their offer went
         self._askers: dict[Endpoint, Callable[[], None] | None] = {}
@@ -107,6 +111,14 @@ class StagingOffers:
         if then is not None:
             then()
 
+    def warming(self, bound_s: float) -> bool:
+        """Whether a prefill rank may be WRITEing into our area now: an offer is being
+        prepared (the allocation runs for ranks that asked), or one went less than
+        ``bound_s`` ago (the rank's warm-up WRITE follows it at once)."""
+        with self._lock:
+            preparing = bool(self._askers) and not self._allocated
+        return preparing or time.monotonic() - self.sent_at < bound_s
+
     def wait(self, timeout: float) -> bool:
         """Whether the allocation that started is over (tests and shutdown)."""
         thread = self._thread
@@ -138,6 +150,7 @@ class StagingOffers:
         if self._send(endpoint, msg) and area is not None:
             self.offered.add(endpoint)  # after it went: grants to that rank follow it
             self.sent += 1
+            self.sent_at = time.monotonic()
         else:
             self.offered.discard(endpoint)
         if then is not None:

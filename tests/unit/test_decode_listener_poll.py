@@ -21,6 +21,7 @@ from sgl_nixl_plugin.settings import Settings
 from sgl_nixl_plugin.sides.decode_listener import (
     BUSY_POLL_MS,
     IDLE_POLL_MS,
+    STAGING_WARM_SLACK_S,
     WARMUP_POLL_MS,
     DecodeListener,
 )
@@ -33,6 +34,8 @@ class Side:
         self.pending: set[tuple[str, int]] = set()
         self.acks = False
         self.warming = False
+        self.staging_bounds: list[float] = []  # each look at the staging offers' warm-up
+        self.staging_warming = False
         self.progressed = 0
         self.ctx = SimpleNamespace(
             zmq_ctx=zctx,
@@ -40,8 +43,13 @@ class Side:
             settings=Settings(),
             engine=SimpleNamespace(agent=SimpleNamespace(progress=self._progress)),
             warmup=SimpleNamespace(waiting=lambda: self.warming),
+            staging=SimpleNamespace(offers=SimpleNamespace(warming=self._staging_warming)),
             sglang=SimpleNamespace(abort_acks_pending=lambda: self.acks),
         )
+
+    def _staging_warming(self, bound_s: float) -> bool:
+        self.staging_bounds.append(bound_s)
+        return self.staging_warming
 
     def _progress(self) -> None:
         self.progressed += 1
@@ -103,3 +111,19 @@ def test_a_request_interrupts_the_idle_sleep(listener: tuple[DecodeListener, Sid
     loop.expect_data()
     poll_until(lambda: side.progressed, lambda n: n >= 20, 5, what="1 ms progress")
     assert loop.poll_ms() == BUSY_POLL_MS
+
+
+def test_after_a_staging_offer_the_listener_progresses_through_the_prefills_warm_up(
+    listener: tuple[DecodeListener, Side],
+) -> None:
+    """A prefill rank that takes our staging area WRITEs into it at once; over TCP that
+    WRITE moves only as we progress, so the listener polls at the warm-up rate while the
+    offers say one may be coming (for the prefill's bound and a little more), idle after."""
+    loop, side = listener
+    side.staging_warming = True
+    loop._update_poll()
+    assert loop.poll_ms() == WARMUP_POLL_MS
+    assert side.staging_bounds == [Settings().warmup_timeout_s + STAGING_WARM_SLACK_S]
+    side.staging_warming = False
+    loop._update_poll()
+    assert loop.poll_ms() == IDLE_POLL_MS

@@ -290,3 +290,23 @@ def test_device_rooms_and_successful_host_rooms_leave_no_drain_state():
     assert rooms.release_safe(4)
     rooms.close(4, ok=False)
     _drained(rooms)
+
+
+def test_a_status_after_the_outcome_was_decided_leaves_the_rooms_stamps_alone():
+    """Timeline stamps come from the event that decides: "status" from each outcome that
+    arrives while the room is open, "applied" as the decided outcome goes to SGLang. A
+    prefill's status message that comes after the notes on its WRITEs decided the room
+    (a no-op) stamps nothing, so "status" never lands after "applied"."""
+    rooms = DecodeRooms()
+    rec = rooms.open(7, {P5, P6})
+    rooms.start_requests(7, [P5, P6])
+    rooms.end_requests(7)
+    assert rooms.feed(7, StatusIn(0, True, "", 2), received=10.0) == []  # rank 0 of 2
+    assert rec.times["status"] == 10.0 and "applied" not in rec.times
+    effects = rooms.feed(7, StatusIn(1, True, "", 2), received=11.0)  # by notes: decides
+    assert [type(e).__name__ for e in effects] == ["ApplyStatus"]
+    assert rec.times["status"] == 11.0 and rec.times["applied"] > 11.0
+    stamped = dict(rec.times)
+    assert rooms.feed(7, StatusIn(1, True, "", 2), received=12.0) == []  # its message
+    rooms.mark(7, "status", open_only=True)  # a staged room's message, as the listener
+    assert rec.times == stamped

@@ -154,3 +154,17 @@ def test_a_rank_that_declines_gets_no_staged_requests_and_nothing_is_allocated()
     offers.withdraw(B, declined=True)
     offers.withdraw(B)  # forgotten (lost, restarted): unknown again, its requests staged
     assert offers.stages_to(B)
+
+
+def test_the_offers_say_when_a_prefill_may_be_writing_into_the_area():
+    """From the first ask (the allocation runs) until a bound after the offer went (the
+    prefill's warm-up WRITE into the area follows it): the listener progresses meanwhile."""
+    gate = threading.Event()
+    offers, memory, rooms, agent, sent = _offers(gate=gate)
+    assert not offers.warming(60.0)  # nobody asked
+    offers.offer(A)
+    assert offers.warming(0.0)  # the allocation for A runs: its offer is on its way
+    gate.set()
+    assert offers.wait(10) and len(sent) == 1
+    assert offers.warming(60.0)  # A may be WRITEing into the area now
+    assert not offers.warming(0.0)  # past A's bound: nothing is due from it
