@@ -51,6 +51,7 @@ from sgl_nixl_plugin.sides.memory import (
     to_regions,
 )
 from sgl_nixl_plugin.sides.one_pass import offer as offer_one_pass
+from sgl_nixl_plugin.sides.one_pass import warm_kernel as warm_one_pass
 from sgl_nixl_plugin.sides.pipeline_stages import PrefillStage
 from sgl_nixl_plugin.sides.prefill_side import PrefillSide
 from sgl_nixl_plugin.sides.process_knobs import apply_process_knobs
@@ -213,6 +214,7 @@ class NixlPluginKVManager(CommonKVManager):
                 if hasattr(ctx.copier, "map_units"):  # the sender's indices: read in place
                     ctx.copier.map_units = self.settings.map_indices
                 ctx.warm_copier(ctx.kv_item_len)  # whole pages: the equal-TP shape
+                warm_one_pass(self.settings, ctx.copier, ctx.kv_item_len)
                 ctx.staging_memory = self._staging_memory(gpu)
                 if self.kv_mem_kind == "VRAM":
                     import torch

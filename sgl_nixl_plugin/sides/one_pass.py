@@ -102,6 +102,23 @@ def attach(
     return f", one-pass writes into its pool on {where} (CUDA IPC, warm-up {ms:.1f} ms{note})"
 
 
+def warm_kernel(settings: Settings, copier: Any, unit_len: int) -> None:
+    """Compile (and check) the one-pass copy at start-up for the shape two equal layouts
+    pair in (whole pages, no offset): otherwise the first decode's setup pays Triton's
+    compile, or its load from Triton's cache, while that decode's first requests wait."""
+    warm = getattr(copier, "warmup_pair", None)
+    if warm is None or unit_len <= 0 or not allowed(settings):
+        return
+    started = time.monotonic()
+    try:
+        warm(unit_len, unit_len, 0, unit_len, 0)
+    except Exception as exc:  # each decode's link checks the copy again
+        logger.warning("sgl-nixl: one-pass copy not compiled at start-up: %s", exc)
+        return
+    ms = (time.monotonic() - started) * 1e3
+    logger.debug("sgl-nixl: one-pass copy of %d B pages compiled in %.1f ms", unit_len, ms)
+
+
 def _open_flags(settings: Settings, ipc: CudaIpc, gpu: int) -> FlagWriter | str:
     """The decode's flag board mapped here, or why not (its rooms then end with the
     status message only)."""

@@ -895,3 +895,25 @@ def test_gpu_pair_copy_takes_the_fast_launch_after_warmup(torch_cuda, triton_cop
     assert taken == [True], taken
     for k, (got, exp) in enumerate(zip(dst.host(), want, strict=True)):
         assert np.array_equal(got, exp), f"region {k}"
+
+
+@gpu
+def test_gpu_pair_warmup_checks_each_geometry_once(torch_cuda, triton_copier) -> None:
+    """A second decode of the same shape does not compile or self-test the one-pass copy
+    again (its setup would wait for it): the second ``warmup_pair`` of a geometry launches
+    nothing; another geometry is checked."""
+    c = triton_copier
+    launched = []
+    real = c.pair_copy
+    c.pair_copy = lambda *a, **k: launched.append(a[4:9]) or real(*a, **k)
+    try:
+        shape = (12 * ROW, 13 * ROW, 4, 14 * ROW, 8)  # no other test warms it
+        c.warmup_pair(*shape)
+        assert launched == [shape, shape], launched  # Triton's dispatch, then the fast launch
+        c.warmup_pair(*shape)
+        assert len(launched) == 2, launched
+        other = (12 * ROW, 13 * ROW, 4, 14 * ROW, 12)
+        c.warmup_pair(*other)
+        assert launched[2:] == [other, other], launched
+    finally:
+        c.pair_copy = real

@@ -3,6 +3,8 @@ themselves: tests/e2e/test_one_pass.py and tests/component/test_cuda_ipc.py, on 
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,7 @@ from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.layout import Geometry, RegionSet
 from sgl_nixl_plugin.engine.one_pass import OnePassLink
 from sgl_nixl_plugin.settings import Settings
-from sgl_nixl_plugin.sides.one_pass import allowed
+from sgl_nixl_plugin.sides.one_pass import allowed, warm_kernel
 
 
 class _Mapping:
@@ -68,3 +70,33 @@ def test_mismatched_counts_are_refused_before_any_launch() -> None:
 )
 def test_direct_staging_or_cuda_ipc_off_forbid_the_one_pass_path(path, ipc, on) -> None:
     assert allowed(Settings(transfer_path=path, cuda_ipc=ipc)) is on
+
+
+class _PairWarmer:
+    def __init__(self, fails: bool = False) -> None:
+        self.shapes: list[tuple[int, ...]] = []
+        self.fails = fails
+
+    def warmup_pair(self, *shape: int) -> None:
+        self.shapes.append(shape)
+        if self.fails:
+            raise RuntimeError("wrong bytes")
+
+
+def test_prefill_start_up_compiles_the_equal_layout_one_pass_copy(caplog) -> None:
+    """Whole pages of the prefill's own item size, no offsets: the shape an equal-layout
+    decode's link uses, so its setup finds the copy compiled; nothing when the settings
+    rule one pass out or the copier has no pair copy; a failure is a warning, not a crash."""
+    c = _PairWarmer()
+    warm_kernel(Settings(), c, 4096)
+    assert c.shapes == [(4096, 4096, 0, 4096, 0)]
+    for settings in (Settings(transfer_path="direct"), Settings(cuda_ipc=False)):
+        warm_kernel(settings, c, 4096)
+    warm_kernel(Settings(), c, 0)
+    warm_kernel(Settings(), object(), 4096)
+    assert len(c.shapes) == 1
+    bad = _PairWarmer(fails=True)
+    with caplog.at_level(logging.WARNING):
+        warm_kernel(Settings(), bad, 512)
+    assert bad.shapes == [(512, 512, 0, 512, 0)]
+    assert "one-pass copy not compiled at start-up: wrong bytes" in caplog.text
