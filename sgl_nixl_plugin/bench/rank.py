@@ -59,6 +59,15 @@ def run_bootstrap(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, A
     return {"results": {}, "timed_out": [], "tables": {}}
 
 
+def configure_logging(level: str) -> None:
+    """Log at ``level`` to stderr even where an import already configured the root logger.
+
+    On a CUDA host an import logs through the root logger before this runs, which installs
+    a WARNING handler; a plain ``basicConfig`` then does nothing and the rank's INFO lines
+    (a decode's "set up in" parts) never reach the log."""
+    logging.basicConfig(level=level, force=True)
+
+
 def rank_main(spec: RankSpec, out: Any, done: Any, release: Any = None) -> None:
     """Process entry point: runs one rank and puts ``(role, instance, tp_rank, result)`` on ``out``.
 
@@ -78,7 +87,7 @@ def rank_main(spec: RankSpec, out: Any, done: Any, release: Any = None) -> None:
             release.wait(timeout=spec.deadline_s)
 
     try:
-        logging.basicConfig(level=settings.value("BENCH_LOG"))
+        configure_logging(settings.value("BENCH_LOG"))
         if logging.getLogger().getEffectiveLevel() > logging.INFO:
             # SGLang warns at import that its CUDA-only quantization kernels are unavailable
             warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang\.")
