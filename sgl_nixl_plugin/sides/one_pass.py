@@ -75,6 +75,7 @@ def attach(
         return ", one-pass off (needs the Triton copier on GPU memory)"
     from sgl_nixl_plugin.engine.one_pass import open_link
 
+    t0 = time.monotonic()
     try:
         link.one_pass = open_link(
             reg.ipc,
@@ -87,7 +88,7 @@ def attach(
         )
     except ValueError as exc:
         return f", one-pass off ({exc})"
-    op = link.one_pass
+    op, map_ms = link.one_pass, (time.monotonic() - t0) * 1e3
     try:
         ms = _warm(op, copier, stream, settings.warmup_timeout_s)
     except Exception as exc:  # the mapping or the kernel does not work here: not offered
@@ -96,10 +97,15 @@ def attach(
         logger.warning("sgl-nixl: decode %s: one-pass warm-up failed: %s", reg.agent_name, exc)
         return f", one-pass off (warm-up failed: {exc})"
     where = "this GPU" if op.same_device else "a peer GPU"
+    t1 = time.monotonic()
     flags = _open_flags(settings, reg.ipc, gpu)
     op.flags = flags if isinstance(flags, FlagWriter) else None
     note = ", completion flags" if op.flags is not None else f", no completion flags ({flags})"
-    return f", one-pass writes into its pool on {where} (CUDA IPC, warm-up {ms:.1f} ms{note})"
+    note += f" in {(time.monotonic() - t1) * 1e3:.1f} ms"
+    return (
+        f", one-pass writes into its pool on {where} (CUDA IPC mapped in {map_ms:.1f} ms, "
+        f"warm-up {ms:.1f} ms{note})"
+    )
 
 
 def warm_kernel(settings: Settings, copier: Any, unit_len: int) -> None:
