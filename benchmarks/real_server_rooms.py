@@ -38,29 +38,13 @@ for _path in (ROOT, ROOT / "tests"):  # the stage's modules import the suite's h
         sys.path.insert(0, str(_path))
 
 from tests.realserver import stack as rs  # noqa: E402
-from tests.realserver.procs import ProcessGroup, free_ports  # noqa: E402
+from tests.realserver.procs import ProcessGroup  # noqa: E402
 from tests.realserver.tiny_model import build_tiny_llama  # noqa: E402
 from tests.realserver.workload import make_requests, run_sequential  # noqa: E402
 
 PREFILL_FIELDS = ("to_post_ms", "writes_ms", "after_last_ms", "wall_ms", "chunks", "xfer_us")
 DECODE_FIELDS = ("to_status_ms", "status_to_applied_ms", "applied_to_clear_ms", "wall_ms")
 _LINE = re.compile(r"(sgl-nixl (?:decode )?room) (\d+): ok (.*)")
-
-
-class _Launcher(rs.Launcher):
-    """The stage's launcher, with extra environment for the plugin's servers."""
-
-    def __init__(self, *a: Any, env: dict[str, str], **kw: Any) -> None:
-        super().__init__(*a, **kw)
-        self.env = env
-
-    def _server(self, name, backend, tp, page, extra=(), plugins=(), pp=1, model=None):  # type: ignore[no-untyped-def]
-        (port,) = free_ports(1)
-        argv = rs.server_argv(model or self.model, port, tp, page, extra, pp)
-        env = rs.server_env(backend, tp * pp, self.tmp, plugins)
-        if backend == "plugin":
-            env.update(self.env)
-        return rs.Server(self.group.start(name, argv, env, rs.PROCESS_DEADLINE_S), port)
 
 
 def room_fields(log: str, prefix: str) -> dict[str, list[float]]:
@@ -87,7 +71,9 @@ def run_variant(
 ) -> dict[str, Any]:
     group = ProcessGroup(tmp / f"logs-{name}", tmp)
     (tmp / f"logs-{name}").mkdir()
-    launcher = _Launcher(group, model, tmp, env={"SGLANG_NIXL_PLUGIN_LOG_LEVEL": "DEBUG", **env})
+    launcher = rs.Launcher(
+        group, model, tmp, plugin_env={"SGLANG_NIXL_PLUGIN_LOG_LEVEL": "DEBUG", **env}
+    )
     started = time.monotonic()
     try:
         stack = launcher.pd("plugin", args.tp, args.page)

@@ -241,12 +241,18 @@ class Launcher:
     """Starts servers into one :class:`ProcessGroup` (one per test module)."""
 
     def __init__(
-        self, group: ProcessGroup, model: Path, tmp: Path, dp_model: Path | None = None
+        self,
+        group: ProcessGroup,
+        model: Path,
+        tmp: Path,
+        dp_model: Path | None = None,
+        plugin_env: dict[str, str] | None = None,
     ) -> None:
         self.group = group
         self.model = model
         self.dp_model = dp_model or model  # a model SGLang runs under DP attention
         self.tmp = tmp
+        self.plugin_env = plugin_env or {}  # more environment for our plugin's servers
 
     def _server(
         self,
@@ -263,6 +269,8 @@ class Launcher:
         (port,) = free_ports(1)
         argv = server_argv(model or self.model, port, tp, page, extra, pp)
         env = {**server_env(backend, tp * pp, self.tmp, plugins), **(env_extra or {})}
+        if backend == "plugin":
+            env.update(self.plugin_env)
         return Server(self.group.start(name, argv, env, PROCESS_DEADLINE_S), port)
 
     def _await(self, servers: Sequence[Server], path: str, timeout_s: float) -> None:
