@@ -60,11 +60,10 @@ def run_bootstrap(spec: RankSpec, env: dict[str, Any], done: Any) -> dict[str, A
 
 
 def configure_logging(level: str) -> None:
-    """Log at ``level`` to stderr even where an import already configured the root logger.
-
-    On a CUDA host an import logs through the root logger before this runs, which installs
-    a WARNING handler; a plain ``basicConfig`` then does nothing and the rank's INFO lines
-    (a decode's "set up in" parts) never reach the log."""
+    """Log at ``level`` to stderr even where an import already configured the root logger:
+    a call through the root logger installs a WARNING handler, after which a plain
+    ``basicConfig`` does nothing and the rank's INFO lines (a decode's "set up in" parts)
+    never reach the log."""
     logging.basicConfig(level=level, force=True)
 
 
