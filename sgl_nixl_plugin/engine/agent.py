@@ -63,6 +63,14 @@ class Xfer:
     started: float = field(default_factory=time.perf_counter)
     state: str = "PROC"
     error: str = ""
+    kind: str = "xfer"  # its ``live`` count: a request's WRITE, or WARMUP (see there)
+
+
+#: The ``live`` count of warm-up WRITEs (``write(..., warmup=True)``). A peer's setup posts
+#: them in the background, each bounded by its own timeout; counted apart from requests'
+#: WRITEs so that ``live["xfer"]`` reads zero once every request settled, whatever setup
+#: is still doing.
+WARMUP = "warmup_xfer"
 
 
 class Agent:
@@ -195,6 +203,7 @@ class Agent:
         nbytes: int,
         descriptors: int,
         notif: bytes = b"",
+        warmup: bool = False,
     ) -> Xfer:
         """Create and post one WRITE; raises ``TransferError`` with NIXL's reason."""
         try:
@@ -203,10 +212,10 @@ class Agent:
             )
         except Exception as exc:
             raise TransferError(f"NIXL could not build the WRITE to {peer}: {exc}") from exc
+        xfer = Xfer(handle, peer, nbytes, descriptors, kind=WARMUP if warmup else "xfer")
         with self._lock:
             self._xfers.add(handle)
-            self.live["xfer"] += 1
-        xfer = Xfer(handle, peer, nbytes, descriptors)
+            self.live[xfer.kind] += 1
         try:
             state = self._nixl.transfer(handle)
         except Exception as exc:
@@ -228,6 +237,7 @@ class Agent:
         local_device: int = 0,
         remote_device: int = 0,
         notif: bytes = b"",
+        warmup: bool = False,
     ) -> Xfer:
         """One WRITE of ``nbytes`` between two registered addresses: a single descriptor."""
         nixl = self._nixl
@@ -241,10 +251,10 @@ class Agent:
             handle = nixl.initialize_xfer("WRITE", local, remote, peer, notif)
         except Exception as exc:
             raise TransferError(f"NIXL could not build the staged WRITE to {peer}: {exc}") from exc
+        xfer = Xfer(handle, peer, nbytes, 1, kind=WARMUP if warmup else "xfer")
         with self._lock:
             self._xfers.add(handle)
-            self.live["xfer"] += 1
-        xfer = Xfer(handle, peer, nbytes, 1)
+            self.live[xfer.kind] += 1
         try:
             xfer.state = nixl.transfer(handle)
         except Exception as exc:
@@ -292,7 +302,7 @@ class Agent:
             return False
         with self._lock:
             self._xfers.discard(xfer.handle)
-            self.live["xfer"] -= 1
+            self.live[xfer.kind] -= 1
         return True
 
     def abandon(self, xfer: Xfer) -> None:
@@ -304,7 +314,7 @@ class Agent:
             if xfer.handle in self._xfers:
                 self._xfers.discard(xfer.handle)
                 self._zombies.append(xfer.handle)
-                self.live["xfer"] -= 1
+                self.live[xfer.kind] -= 1
                 self.live["abandoned"] += 1
         logger.warning("sgl-nixl: abandoned a transfer to %s that never completed", xfer.peer)
 

@@ -281,9 +281,11 @@ class TransferEngine:
         src: np.ndarray,
         dst: np.ndarray,
         notif: bytes = b"",
+        warmup: bool = False,
     ) -> Xfer | None:
         """Post one WRITE of items ``src`` (local) into items ``dst`` (peer); None if empty
-        or the peer has no such group. Raises ``TransferError`` once the link is closed."""
+        or the peer has no such group. Raises ``TransferError`` once the link is closed.
+        ``warmup``: counted as a warm-up (``agent.WARMUP``), not a request's WRITE."""
         with link.lock:
             if link.closed:
                 raise TransferError(f"decode {link.name} was dropped: its link is closed")
@@ -304,6 +306,7 @@ class TransferEngine:
                 nbytes=g.unit_bytes * len(src),
                 descriptors=expected_descriptors(src, dst, g.num_regions, g.geometry),
                 notif=notif,
+                warmup=warmup,
             )
 
     def warm(self, link: PeerLink, timeout_s: float = 1.0) -> float:
@@ -319,7 +322,7 @@ class TransferEngine:
         started = time.monotonic()
         zero = np.zeros(warm_items(link), dtype=np.int64)
         try:
-            xfer = self.write(link, "kv", zero, zero)
+            xfer = self.write(link, "kv", zero, zero, warmup=True)
         except TransferError as exc:
             raise TransferError(f"warm-up WRITE to {link.name}: {exc}") from exc
         if xfer is None:
@@ -352,6 +355,7 @@ class TransferEngine:
             remote_mem_kind=remote.mem_kind,
             local_device=local.device,
             remote_device=remote.device,
+            warmup=True,
         )
         self._wait_warm(link, xfer, started + timeout_s, timeout_s, "staging warm-up WRITE")
         return time.monotonic() - started
@@ -385,6 +389,7 @@ class TransferEngine:
                 mem_kind="DRAM",
                 remote_mem_kind="DRAM",
                 local_device=aux.devices[0],
+                warmup=True,
             )
         except TransferError as exc:
             raise TransferError(f"host warm-up WRITE to {link.name}: {exc}") from exc

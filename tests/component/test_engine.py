@@ -25,7 +25,7 @@ from helpers.engine_peer import (
     peers,
 )
 
-from sgl_nixl_plugin.engine.agent import TransferError, Xfer
+from sgl_nixl_plugin.engine.agent import WARMUP, TransferError, Xfer
 from sgl_nixl_plugin.engine.descriptors import (
     expected_descriptors,
     naive_descriptors,
@@ -510,6 +510,27 @@ def test_warm_up_writes_only_the_padding_page_and_a_dead_peer_fails_it(
         engine.warm(dead, timeout_s=2.0)
     assert time.monotonic() - started < DEADLINE_S
     engine.unlink(dead)
+    engine.unlink(link)
+
+
+def test_a_warm_up_in_flight_is_counted_apart_from_requests_writes(
+    spawn: Callable[[PeerSpec], PeerProcess], engines: list[TransferEngine]
+) -> None:
+    """A peer's setup posts warm-ups in the background (a staging area offered after the
+    last request, seen in the gate): while one is in flight, ``live["xfer"]``, the count
+    that must read zero once every request settled, stays zero; it has its own count."""
+    pair = small_pair(spawn, engines, seed=6)
+    engine, link = pair.engine, pair.link
+    zero = np.zeros(1, dtype=np.int64)
+    warm = engine.write(link, "kv", zero, zero, warmup=True)
+    req = engine.write(link, "kv", np.array([3]), np.array([4]))
+    assert warm is not None and req is not None
+    live = engine.agent.live
+    assert (live[WARMUP], live["xfer"]) == (1, 1)  # counted when posted, done or not
+    assert settle(engine, warm) == "DONE" and settle(engine, req) == "DONE", warm.error or req.error
+    assert engine.release(req) and (live[WARMUP], live["xfer"]) == (1, 0)
+    assert engine.release(warm) and (live[WARMUP], live["xfer"]) == (0, 0)
+    assert_landed(pair, "kv", np.array([0, 3]), np.array([0, 4]))
     engine.unlink(link)
 
 

@@ -416,7 +416,9 @@ class RecordingAgent:
         self.released_lists: list[str] = []
         self.removed: list[str] = []
 
-    def write(self, local, lidx, remote, ridx, *, peer, nbytes, descriptors, notif=b""):
+    def write(
+        self, local, lidx, remote, ridx, *, peer, nbytes, descriptors, notif=b"", warmup=False
+    ):
         x = Xfer(handle=None, peer=peer, nbytes=nbytes, descriptors=descriptors)
         self.posted.append(x)
         return x
