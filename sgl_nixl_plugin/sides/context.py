@@ -118,10 +118,19 @@ class PrefillContext(SideBase):
                 self.sglang.conclude_failure(room, reason, only_open=True)
 
     def note_early_abort(self, room: int, reason: str) -> bool:
-        """Fail ``room`` now, or at its sender's creation if it has none yet (False)."""
+        """Fail ``room`` now, or at its sender's creation if it has none yet (False).
+
+        SGLang's scheduler makes senders meanwhile: one made between the first look and
+        the note has already claimed (nothing), and would wait for its timeout. It is in
+        SGLang's table before it claims, so a second look after the note finds it, and
+        whichever of the two claims first fails the room."""
         if not self.sglang.exists(room):
             self.early.note(room, reason)
-            return False
+            if not self.sglang.exists(room):
+                return False
+            claimed = self.early.claim(room)
+            if claimed is None:  # the sender took it at its creation
+                return False
         self.sglang.fail_unless_done(room, reason)
         return True
 

@@ -266,6 +266,23 @@ def test_an_abort_before_the_sender_exists_is_remembered_for_it(side):
     assert side.ctx.early.claim(99) is None
 
 
+def test_an_abort_racing_the_senders_creation_still_fails_the_room(side):
+    """SGLang's scheduler made the sender (and it found no abort to claim) between the
+    control thread's first look and its note: the abort must still fail the room."""
+    control = PrefillControl(side.ctx, wake=lambda room: None, recall=lambda room: None)
+    note = side.ctx.early.note
+
+    def sender_made_meanwhile(room, reason, now=None):
+        side.sg.status[room] = OPEN  # made, in SGLang's table ...
+        assert side.ctx.early.claim(room) is None  # ... and its claim found nothing yet
+        note(room, reason, now)
+
+    side.ctx.early.note = sender_made_meanwhile
+    control.on_abort(Abort(98, "127.0.0.1", 7001, None, "prefill refused this decode"))
+    assert side.sg.status[98] == FAILED
+    assert side.ctx.early.claim(98) is None  # nothing left behind for a later sender
+
+
 def test_a_finished_room_reports_where_its_time_went(side, monkeypatch, caplog):
     """One DEBUG line per room and ``TransferEvent.timeline``: each step's milliseconds,
     in order (ready, first chunk, first WRITE, WRITEs), adding up to the wall time."""
