@@ -34,6 +34,23 @@ else
             echo "setup_env: $python is older than 3.10; set PYTHON=python3.11" >&2
             exit 1
         }
+        # A new venv takes about 7 GiB (SGLang pins torch 2.14.1, whose wheel brings the CUDA
+        # libraries), and pip unpacks into $TMPDIR as it goes. A full disk otherwise shows up
+        # as an OSError halfway through pip and an import error after it.
+        need_gib="${SGL_NIXL_MIN_FREE_GIB:-9}"
+        "$python" - "$venv" "$need_gib" <<'PY' || exit 1
+import os, shutil, sys
+path, need = os.path.abspath(sys.argv[1]), float(sys.argv[2])
+while not os.path.exists(path):
+    path = os.path.dirname(path)
+free = shutil.disk_usage(path).free / 2**30
+if free < need:
+    sys.exit(
+        f"setup_env: {free:.1f} GiB free under {path}; a new venv needs about {need:g} GiB. "
+        "Free some space, or point VENV at a roomier disk "
+        "(SGL_NIXL_MIN_FREE_GIB changes the threshold)."
+    )
+PY
         echo "setup_env: creating virtualenv $venv" >&2
         "$python" -m venv "$venv"
     fi
