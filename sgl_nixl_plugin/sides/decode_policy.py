@@ -46,17 +46,27 @@ class DecodePolicy:
             known |= self.ctx.warmup.linked()
         return known
 
-    def fail_endpoint(self, endpoint: Endpoint, reason: str, disconnect: bool = True) -> list[int]:
+    def fail_endpoint(
+        self, endpoint: Endpoint, reason: str, disconnect: bool = True
+    ) -> dict[int, set[Endpoint]]:
         """Fail every unfinished room served by ``endpoint``, forget its cached route (and
         close the socket to it, unless the peer is alive: ``disconnect``), and return the
-        rooms failed."""
-        rooms = self.ctx.rooms.rooms_served_by(endpoint)
-        failed = [r for r in rooms if decode_status.fail(self.ctx, r, reason)]
+        rooms failed, each with every prefill rank that served it: read before the failure,
+        as SGLang's scheduler may clear a failed room's record at once."""
+        rooms = self.ctx.rooms
+        served = {r: rooms.endpoints(r) for r in rooms.rooms_served_by(endpoint)}
+        failed = {
+            r: eps or {endpoint}
+            for r, eps in served.items()
+            if decode_status.fail(self.ctx, r, reason)
+        }
         if disconnect:  # gone: no ACK will come from it
-            self.ctx.rooms.peer_lost(endpoint)
+            rooms.peer_lost(endpoint)
         self.forget_endpoint(endpoint, disconnect)
         log = logger.error if failed else logger.info
-        log("sgl-nixl: %s (%d requests failed: rooms %s)", reason, len(failed), _rooms(failed))
+        log(
+            "sgl-nixl: %s (%d requests failed: rooms %s)", reason, len(failed), _rooms(list(failed))
+        )
         return failed
 
     def forget_endpoint(self, endpoint: Endpoint, disconnect: bool = False) -> None:
@@ -104,9 +114,10 @@ class DecodePolicy:
     def on_refused(self, endpoint: Endpoint, reason: str) -> None:
         self.ctx.refused[endpoint] = (reason, time.monotonic())
         why = f"prefill {endpoint[0]}:{endpoint[1]} refused this decode: {reason}"
-        # the prefill is alive (it answered): the aborts below go out on the same socket
-        for room in self.fail_endpoint(endpoint, why, disconnect=False):
-            self.tell_prefills(room, self.ctx.rooms.endpoints(room) or {endpoint}, why)
+        # the prefill is alive (it answered): the aborts below go out on the same socket;
+        # a pipeline stage's refusal fails the room, and the other stages need telling too
+        for room, endpoints in self.fail_endpoint(endpoint, why, disconnect=False).items():
+            self.tell_prefills(room, endpoints, why)
 
     def refusal_since(self, endpoints: set[Endpoint], since: float) -> str | None:
         """Why one of ``endpoints`` refused this decode at or after ``since``, if one did."""

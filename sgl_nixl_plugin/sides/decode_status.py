@@ -23,7 +23,7 @@ from sgl_nixl_plugin.protocol.decode_machine import (
     StatusIn,
 )
 from sgl_nixl_plugin.sides.context import DecodeContext
-from sgl_nixl_plugin.wire.messages import TransferStatus
+from sgl_nixl_plugin.wire.messages import Abort, TransferStatus
 
 Endpoint = tuple[str, int]
 
@@ -39,7 +39,22 @@ def status_in(ctx: DecodeContext, msg: TransferStatus, received: float | None = 
     event = StatusIn(
         msg.prefill_rank, msg.status == SUCCESS, msg.reason, ctx.sglang.senders_of(msg.room)
     )
-    _apply(ctx, msg.room, ctx.rooms.feed(msg.room, event, received))
+    # read before the failure applies: SGLang's scheduler may clear the record at once
+    others = ctx.rooms.endpoints(msg.room) - {(msg.ip, msg.port)} if msg.status == FAILED else set()
+    effects = ctx.rooms.feed(msg.room, event, received)
+    _apply(ctx, msg.room, effects)
+    if others and any(isinstance(e, ApplyStatus) and not e.ok for e in effects):
+        _tell_others(ctx, msg, others)
+
+
+def _tell_others(ctx: DecodeContext, msg: TransferStatus, others: set[Endpoint]) -> None:
+    """One prefill rank failed a room that others serve too (pipeline stages, a TP
+    mismatch): they are told at once, as SGLang's decode tells them only with its deferred
+    release on, and one that has no request of the room yet would wait for its timeout."""
+    me = ctx.me
+    why = f"prefill rank {msg.ip}:{msg.port} failed the room: {msg.reason}"
+    for ep in sorted(others):
+        ctx.send(ep, Abort(msg.room, me.ip, me.port, None, why))
 
 
 def success_in(ctx: DecodeContext, room: int, rank: int) -> None:

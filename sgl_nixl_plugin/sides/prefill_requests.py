@@ -40,7 +40,8 @@ def file_request(
             "(it restarted or was dropped); it re-registers on its next request"
         )
         ctx.send(target, TransferStatus(room, FAILED, ctx.me.rank, reason, ctx.me.ip, ctx.me.port))
-        sg.fail(room, reason)  # this side's sender too: it must not sit until the timeout
+        # this side's sender too, now or at its creation: it must not sit until the timeout
+        ctx.note_early_abort(room, reason)
         if refused is None:
             registrations.reply(target, req.agent_name, reason, retry=True)
         return

@@ -14,7 +14,7 @@ from sgl_nixl_plugin.engine.done_flags import FlagBoard
 from sgl_nixl_plugin.protocol.decode_machine import FAILED, SUCCESS
 from sgl_nixl_plugin.protocol.decode_rooms import DecodeRooms
 from sgl_nixl_plugin.sides import decode_status
-from sgl_nixl_plugin.wire.messages import TransferStatus
+from sgl_nixl_plugin.wire.messages import Abort, TransferStatus
 
 PREFILLS = [("10.0.0.1", 1), ("10.0.0.1", 2)]
 
@@ -54,6 +54,8 @@ def _ctx(board: FlagBoard | None, senders: int = 2) -> SimpleNamespace:
     flag_ranks = {ep: i for i, ep in enumerate(PREFILLS)}
     ctx = SimpleNamespace(rooms=rooms, sglang=Tables(senders), flags=board, flag_ranks=flag_ranks)
     ctx.flags_given = ctx.flag_hits = 0
+    ctx.me, ctx.sent = SimpleNamespace(ip="10.0.0.9", port=9), []
+    ctx.send = lambda ep, msg: ctx.sent.append((ep, msg))
     rooms.open(3, set(PREFILLS))
     return ctx
 
@@ -106,3 +108,33 @@ def test_the_first_failed_status_applies_and_nothing_after_it():
     assert ctx.sglang.applied == [(3, FAILED, 1, "oom")]
     decode_status.failed_here(ctx, 3)  # SGLang's poll then sees its Failed: no change
     assert ctx.sglang.applied == [(3, FAILED, 1, "oom")]
+    # the other rank serving the room is told once, with the failing rank's reason
+    assert ctx.sent == [
+        (PREFILLS[0], Abort(3, "10.0.0.9", 9, None, "prefill rank 10.0.0.1:2 failed the room: oom"))
+    ]
+
+
+def test_the_other_ranks_are_told_though_sglang_clears_the_failed_room_at_once():
+    """A pipeline stage that refused the decode fails the room by status: the stage that
+    has no request of it yet learns only from this decode, whose scheduler may clear the
+    room's record as soon as the Failed is set."""
+    ctx = _ctx(None)
+    cleared = ctx.sglang.apply_status
+
+    def apply_and_clear(room: int, status: int, rank: int, reason: str) -> None:
+        cleared(room, status, rank, reason)
+        ctx.rooms.close(room, ok=False)
+
+    ctx.sglang.apply_status = apply_and_clear
+    decode_status.status_in(ctx, _status(0, False, "refused"))
+    assert ctx.rooms.get(3) is None
+    assert [(ep, m.room, m.reason) for ep, m in ctx.sent] == [
+        (PREFILLS[1], 3, "prefill rank 10.0.0.1:1 failed the room: refused")
+    ]
+
+
+def test_a_failed_status_of_a_room_one_rank_serves_tells_no_one():
+    ctx = _ctx(None, senders=1)
+    ctx.rooms.open(3, {PREFILLS[0]})
+    decode_status.status_in(ctx, _status(0, False, "oom"))
+    assert ctx.sglang.applied == [(3, FAILED, 0, "oom")] and ctx.sent == []

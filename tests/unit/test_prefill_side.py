@@ -283,6 +283,36 @@ def test_an_abort_racing_the_senders_creation_still_fails_the_room(side):
     assert side.ctx.early.claim(98) is None  # nothing left behind for a later sender
 
 
+@pytest.mark.parametrize("made", [False, True], ids=["before-the-sender", "sender-made"])
+def test_a_refused_decodes_request_fails_the_room_now_or_at_its_senders_creation(side, made):
+    """A pipeline stage that refused the decode gets its request for a room whose sender
+    SGLang has not made yet: the sender fails at its creation instead of waiting for the
+    bootstrap timeout."""
+    from sgl_nixl_plugin.sides.prefill_requests import file_request
+    from sgl_nixl_plugin.wire.messages import TransferRequest, TransferStatus
+
+    side.ctx.peers.refused["decode-1"] = "state buffers are per stage"
+    if made:
+        side.sg.status[97] = OPEN
+    req = TransferRequest(97, "decode-1", "127.0.0.1", 7002, -1, 1)
+    replies = SimpleNamespace(sent=[])
+    registrations = SimpleNamespace(reply=lambda *a, **k: replies.sent.append(a))
+    file_request(side.ctx, registrations, req, None, [])  # type: ignore[arg-type]
+    ep, status = side.ctx.transport.sent[-1]
+    assert ep == ("127.0.0.1", 7002) and isinstance(status, TransferStatus)
+    assert (status.room, status.status, status.reason) == (
+        97,
+        FAILED,
+        "state buffers are per stage",
+    )
+    assert replies.sent == []  # a refusal is final: no invitation to register again
+    if made:
+        assert side.sg.status[97] == FAILED and side.ctx.early.claim(97) is None
+    else:
+        assert 97 not in side.sg.status
+        assert side.ctx.early.claim(97) == "state buffers are per stage"
+
+
 def test_a_finished_room_reports_where_its_time_went(side, monkeypatch, caplog):
     """One DEBUG line per room and ``TransferEvent.timeline``: each step's milliseconds,
     in order (ready, first chunk, first WRITE, WRITEs), adding up to the wall time."""
