@@ -2,12 +2,13 @@
 
 SGLang's decode registers with a prefill rank lazily, inside the first request's handshake,
 so NIXL's wire-up (linking the peer, the first WRITE) lands on that request. Here the decode
-registers with every rank it will talk to, in a thread of its own, started as SGLang's first
-look at the prefill (``try_ensure_parallel_info``) begins: our bootstrap's route table
-(``/nixl/routes``) carries every rank's route and the prefill's parallel info, which SGLang's
-own rank mapping turns into the ranks to register with, so the prefill links this decode
-while SGLang's topology query is still on its way. From a bootstrap without the table (or
-its info) the warm-up waits for SGLang's query and asks rank by rank. Each prefill rank
+registers with every rank it will talk to as SGLang's first look at the prefill
+(``try_ensure_parallel_info``) begins: our bootstrap's route table (``/nixl/routes``) carries
+every rank's route and the prefill's parallel info, which SGLang's own rank mapping turns
+into the ranks to register with, so the prefill links this decode before SGLang's topology
+query has even run (answered from that table). The calling thread does this itself; from a
+bootstrap without the table (or its info) a thread waits for SGLang's query and asks rank
+by rank. Each prefill rank
 links and, for a decode registered ahead of its requests (``request_waits`` False: the
 named prefills below), WRITEs the decode's padding page (``TransferEngine.warm``), then
 replies. When SGLang's own registration follows, the prefill finds the same registration
@@ -43,6 +44,10 @@ GIVE_UP_S = 10.0
 #: The longest a receiver waits for the route the warm-up is asking for (its own query
 #: would wait as long for the same answer), and the warm-up for SGLang's topology query.
 ROUTE_WAIT_S = float(bootstrap_client.TIMEOUT_S)
+
+
+#: ``_run``'s table argument when the route table is still to be asked for.
+_UNASKED = object()
 
 
 @dataclass
@@ -87,15 +92,10 @@ class DecodeWarmup:
         """Warm ``addr`` once (again after ``forget``, or when the prefill was not up): a
         daemon thread asks its routes. ``request_waits``: a request to it is waiting (the
         prefill then skips its warm-up WRITE). True when this call started a warm-up."""
-        with self._lock:
-            known = self._by_addr.get(addr)
-            if known is not None and not known.stale:
-                return False
-            w = self._by_addr[addr] = _Warming(time.monotonic(), request_waits=request_waits)
-        threading.Thread(
-            target=self._run, args=(addr, w), name="sgl-nixl-warmup", daemon=True
-        ).start()
-        return True
+        w = self._claim(addr, request_waits)
+        if w is not None:
+            self._spawn(addr, w, _UNASKED)
+        return w is not None
 
     def ensure(
         self,
@@ -104,18 +104,59 @@ class DecodeWarmup:
         query: Callable[[str], bool],
         started: Callable[[], None],
     ) -> bool:
-        """SGLang's topology query of ``addr`` (``query``), with the warm-up started beside
+        """SGLang's topology query of ``addr`` (``query``), with the warm-up started before
         it and told when it ended; started again after it if the first found the prefill
-        down. ``started`` runs whenever a warm-up starts."""
-        if self.start(addr, request_waits):
-            started()
+        down. ``started`` runs whenever a warm-up starts.
+
+        The calling thread asks for the route table itself, as SGLang's query waits for it
+        anyway, and sends the registrations too when the table's copy of the topology gives
+        the ranks (the rest, e.g. waiting for SGLang's own answer, goes to a thread): on a
+        busy host a new thread took 1-4 ms to get the GIL before its first step."""
+        for attempt in range(2):
+            w = self._claim(addr, request_waits)
+            if w is not None:
+                started()
+                self._begin(addr, w)
+            if attempt:
+                return True
+            try:
+                ok = query(addr)
+            finally:
+                self.info_fetched(addr)
+            if not ok:
+                return False
+        return True
+
+    def _claim(self, addr: str, request_waits: bool) -> _Warming | None:
+        """A new warm-up of ``addr``, or None while one is current."""
+        with self._lock:
+            known = self._by_addr.get(addr)
+            if known is not None and not known.stale:
+                return None
+            w = self._by_addr[addr] = _Warming(time.monotonic(), request_waits=request_waits)
+            return w
+
+    def _spawn(self, addr: str, w: _Warming, table: Any) -> None:
+        threading.Thread(
+            target=self._run, args=(addr, w, table), name="sgl-nixl-warmup", daemon=True
+        ).start()
+
+    def _begin(self, addr: str, w: _Warming) -> None:
+        """The table asked for here; the ranks worked out and registered with here too if
+        nothing needs waiting for, else in a thread."""
         try:
-            ok = query(addr)
-        finally:
-            self.info_fetched(addr)
-        if ok and self.start(addr, request_waits):
-            started()
-        return ok
+            table = self._ask_table(addr, w)
+            info = self._parallel_info(addr, w, table, wait=False)
+        except Exception as exc:  # a warm-up must never take the decode down
+            logger.debug("sgl-nixl: warm-up of prefill %s: %s", addr, exc)
+            table, info = None, None
+        if info is None:
+            self._spawn(addr, w, table)
+            return
+        try:
+            self._run(addr, w, table, info)
+        except Exception:  # SGLang's scheduler thread: its request goes on and registers
+            logger.exception("sgl-nixl: warm-up of prefill %s failed", addr)
 
     def info_fetched(self, addr: str) -> None:
         """SGLang's topology query of ``addr`` ended, with its info or without: a warm-up
@@ -226,9 +267,13 @@ class DecodeWarmup:
                     w.waiting.clear()
                     w.done_at = w.done_at or now
 
-    def _run(self, addr: str, w: _Warming) -> None:
+    def _run(self, addr: str, w: _Warming, table: Any, info: Any = None) -> None:
+        """``table``: the route table's answer, or ``_UNASKED``; ``info``: the prefill's
+        parallel info, if already worked out."""
         try:
-            endpoints = self._endpoints(addr, w)
+            if table is _UNASKED:
+                table = self._ask_table(addr, w)
+            endpoints = self._endpoints(addr, w, table, info)
         except Exception as exc:  # a warm-up must never take the decode down
             logger.debug("sgl-nixl: warm-up of prefill %s: %s", addr, exc)
             endpoints = None
@@ -247,15 +292,23 @@ class DecodeWarmup:
             if not self._send(ep, frames):
                 self.replied(ep, False)  # logged by the transport; the requests try again
 
-    def _endpoints(self, addr: str, w: _Warming) -> set[Endpoint] | None:
-        """The prefill ranks this decode's requests to ``addr`` can go to; each route is
-        kept on ``w`` under its query as it comes in."""
+    def _ask_table(self, addr: str, w: _Warming) -> bootstrap_client.RouteTable | None:
+        """The bootstrap's route table (None: it has none), its topology kept for SGLang's
+        query."""
         table = bootstrap_client.get_routes(addr, self._secret)
         with self._lock:
             w.topology = table.info if table is not None else None
             w.table_done = True
             self._lock.notify_all()
-        info = self._parallel_info(addr, w, table)
+        return table
+
+    def _endpoints(
+        self, addr: str, w: _Warming, table: bootstrap_client.RouteTable | None, info: Any
+    ) -> set[Endpoint] | None:
+        """The prefill ranks this decode's requests to ``addr`` can go to; each route is
+        kept on ``w`` under its query as it comes in."""
+        if info is None:
+            info = self._parallel_info(addr, w, table)
         if info is None:
             return None
         tps = [t for t in (info.target_tp_ranks or [info.target_tp_rank]) if t is not None]
@@ -286,15 +339,19 @@ class DecodeWarmup:
         return out
 
     def _parallel_info(
-        self, addr: str, w: _Warming, table: bootstrap_client.RouteTable | None
+        self,
+        addr: str,
+        w: _Warming,
+        table: bootstrap_client.RouteTable | None,
+        wait: bool = True,
     ) -> Any:
         """The prefill's parallel info with this decode's rank mapping: SGLang's, if it has
         it (a warm-up started again); else SGLang's mapping of the table's copy; else
-        (a bootstrap without one) SGLang's, once its query ends. None: no info."""
+        (a bootstrap without one) SGLang's, once its query ends (``wait``). None: no info."""
         info = self._info(addr)
         if info is None and table is not None and table.info is not None and self._resolve:
             info = self._resolve(table.info)
-        if info is None:
+        if info is None and wait:
             with self._lock:
                 self._lock.wait_for(lambda: w.info_done, ROUTE_WAIT_S + 1)
             info = self._info(addr)

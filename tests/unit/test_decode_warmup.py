@@ -301,6 +301,63 @@ def test_the_warm_up_starts_beside_sglangs_query_and_again_if_the_prefill_was_do
     assert h.waits == [False]  # named at start-up: the prefill warms the path
 
 
+def _asked_from(monkeypatch: pytest.MonkeyPatch) -> list[threading.Thread]:
+    """The threads the route table was asked from (the harness's answer, unchanged)."""
+    asked: list[threading.Thread] = []
+    answer = decode_warmup.bootstrap_client.get_routes
+
+    def get_routes(addr: str, secret: bytes | None) -> Any:
+        asked.append(threading.current_thread())
+        return answer(addr, secret)
+
+    monkeypatch.setattr(decode_warmup.bootstrap_client, "get_routes", get_routes)
+    return asked
+
+
+def test_sglangs_first_look_asks_the_table_and_registers_before_its_query_runs(monkeypatch):
+    """SGLang's query waits for the table anyway: the calling thread asks for it, and with
+    the table's topology it sends the registrations too, before SGLang's query runs (a
+    thread of its own waited for the GIL 1-4 ms on a busy host before its first step)."""
+    table = _table({(0, 0): 7000, (0, 1): 7001})
+    h = Harness(
+        monkeypatch, None, table=table, table_info=TOPOLOGY, resolve=lambda t: _info([0, 1])
+    )
+    asked = _asked_from(monkeypatch)
+    seen: list[Any] = []
+
+    def sglang_query(addr: str) -> bool:
+        seen.append(sorted(ep for ep, _ in h.sent))
+        seen.append(h.warmup.topology(addr))  # answered from the table, nothing to wait for
+        return True
+
+    started: list[int] = []
+    assert h.warmup.ensure(ADDR, True, sglang_query, lambda: started.append(len(h.sent)))
+    assert asked == [threading.current_thread()] and started == [0]
+    assert seen == [[("127.0.0.1", 7000), ("127.0.0.1", 7001)], TOPOLOGY]
+    assert h.waits == [True]
+
+
+def test_a_table_without_the_topology_leaves_the_rest_to_a_thread_that_waits_for_sglang(
+    monkeypatch,
+):
+    """A table without SGLang's topology (an older release of ours): the calling thread
+    only asks for it; the registrations wait, in a thread, for SGLang's query, which the
+    calling thread runs next."""
+    h = Harness(monkeypatch, None, table=_table({(0, 0): 7000}), resolve=lambda t: None)
+    asked = _asked_from(monkeypatch)
+    h.expected = 1
+
+    def sglang_query(addr: str) -> bool:
+        assert h.sent == []
+        h.info = _info([0])
+        return True
+
+    assert h.warmup.ensure(ADDR, True, sglang_query, lambda: None)
+    assert asked == [threading.current_thread()]
+    assert h.done.wait(10), "no registration after SGLang's query ended"
+    assert [ep for ep, _ in h.sent] == [("127.0.0.1", 7000)]
+
+
 def _release_when_a_receiver_waits(
     monkeypatch: pytest.MonkeyPatch, warmup: DecodeWarmup, gate: threading.Event
 ) -> None:
