@@ -295,12 +295,15 @@ class DecodeWarmup:
     def _ask_table(self, addr: str, w: _Warming) -> bootstrap_client.RouteTable | None:
         """The bootstrap's route table (None: it has none), its topology kept for SGLang's
         query."""
-        table = bootstrap_client.get_routes(addr, self._secret)
-        with self._lock:
-            w.topology = table.info if table is not None else None
-            w.table_done = True
-            self._lock.notify_all()
-        return table
+        table = None
+        try:
+            table = bootstrap_client.get_routes(addr, self._secret)
+            return table
+        finally:  # answered or not: SGLang's query stops waiting for it
+            with self._lock:
+                w.topology = table.info if table is not None else None
+                w.table_done = True
+                self._lock.notify_all()
 
     def _endpoints(
         self, addr: str, w: _Warming, table: bootstrap_client.RouteTable | None, info: Any

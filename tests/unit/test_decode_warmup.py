@@ -358,6 +358,28 @@ def test_a_table_without_the_topology_leaves_the_rest_to_a_thread_that_waits_for
     assert [ep for ep, _ in h.sent] == [("127.0.0.1", 7000)]
 
 
+@pytest.mark.timeout(30)
+def test_a_table_query_that_raises_does_not_hold_sglangs_query(monkeypatch):
+    """An unexpected error asking for the table (not a refusal: those are answers) ends
+    the table's wait at once: SGLang's query, which the calling thread runs next, asks for
+    itself instead of waiting out ``ROUTE_WAIT_S``."""
+    h = Harness(monkeypatch, None, table=_table({(0, 0): 7000}), resolve=lambda t: None)
+    monkeypatch.setattr(decode_warmup, "ROUTE_WAIT_S", 600.0)  # a wait would hit the timeout
+
+    def broken(addr: str, secret: bytes | None) -> Any:
+        raise RuntimeError("a bug in the table's parsing")
+
+    monkeypatch.setattr(decode_warmup.bootstrap_client, "get_routes", broken)
+    looked: list[Any] = []
+
+    def sglang_query(addr: str) -> bool:
+        looked.append(h.warmup.topology(addr))
+        return False
+
+    assert not h.warmup.ensure(ADDR, True, sglang_query, lambda: None)
+    assert looked == [None] and h.sent == []
+
+
 def _release_when_a_receiver_waits(
     monkeypatch: pytest.MonkeyPatch, warmup: DecodeWarmup, gate: threading.Event
 ) -> None:
