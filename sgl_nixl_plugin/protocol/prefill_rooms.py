@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,11 +150,17 @@ class PrefillRoom(RoomMachine):
         }
 
 
+#: Rooms that left the table, remembered (the newest this many) with their last phase, so
+#: that an abort for a room that already ended here is told from one that has not come yet.
+ENDED_MEMORY = 4096
+
+
 class PrefillRooms:
     """Every live room of one prefill rank; thread-safe."""
 
     def __init__(self) -> None:
         self._rooms: dict[int, PrefillRoom] = {}
+        self._ended: OrderedDict[int, str] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -164,6 +171,11 @@ class PrefillRooms:
 
     def get(self, room: int) -> PrefillRoom | None:
         return self._rooms.get(room)
+
+    def ended(self, room: int) -> str | None:
+        """The phase ``room`` left the table in, if it did recently (``ENDED_MEMORY``)."""
+        with self._lock:
+            return self._ended.get(room)
 
     def open(self, room: int) -> PrefillRoom:
         """The room's record, created at its first destination (or chunk)."""
@@ -206,6 +218,9 @@ class PrefillRooms:
         rec.recalls.clear()
         if self._rooms.get(rec.room) is rec:
             del self._rooms[rec.room]
+            self._ended[rec.room] = rec.phase.value
+            if len(self._ended) > ENDED_MEMORY:
+                self._ended.popitem(last=False)
 
     def sizes(self) -> dict[str, int]:
         with self._lock:
@@ -223,7 +238,8 @@ class EarlyAborts:
     def __init__(self, horizon_s: float, limit: int = 100_000) -> None:
         self.horizon_s = horizon_s
         self.limit = limit
-        self._reasons: dict[int, tuple[str, float]] = {}
+        # oldest first: expiry pops from the front, so a note costs O(1) however many wait
+        self._reasons: OrderedDict[int, tuple[str, float]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -233,10 +249,13 @@ class EarlyAborts:
         now = time.monotonic() if now is None else now
         with self._lock:
             horizon = now - self.horizon_s
-            for old in [r for r, (_, t) in self._reasons.items() if t < horizon]:
-                del self._reasons[old]
-            if len(self._reasons) < self.limit:
-                self._reasons[room] = (reason, now)
+            while self._reasons and next(iter(self._reasons.values()))[1] < horizon:
+                self._reasons.popitem(last=False)
+            if room in self._reasons:
+                self._reasons.move_to_end(room)
+            elif len(self._reasons) >= self.limit:
+                return
+            self._reasons[room] = (reason, now)
 
     def claim(self, room: int) -> str | None:
         with self._lock:

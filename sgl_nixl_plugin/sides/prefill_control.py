@@ -200,7 +200,13 @@ class PrefillControl(ControlLoop):
             if msg.reason
             else "Aborted by the decode side"
         )
-        if not self.ctx.note_early_abort(room, reason):
+        ended = self.ctx.rooms.ended(room)
+        if ended is not None and not self.ctx.sglang.exists(room):
+            # SGLang cleared its sender too: nothing is left to fail, nothing to note
+            logger.debug(
+                "sgl-nixl: room %s: abort after the room ended here (%s): %s", room, ended, reason
+            )
+        elif not self.ctx.note_early_abort(room, reason):
             logger.info(
                 "sgl-nixl: room %s: the decode gave it up before it got here: %s", room, reason
             )

@@ -24,6 +24,7 @@ from helpers.zmq_pair import loopback_pair
 
 from sgl_nixl_plugin.engine.staging_memory import LazyStaging
 from sgl_nixl_plugin.protocol.peers import DecodePeers
+from sgl_nixl_plugin.protocol.prefill_rooms import PrefillRooms
 from sgl_nixl_plugin.settings import Settings
 from sgl_nixl_plugin.sides.pipeline_stages import PrefillStage
 from sgl_nixl_plugin.sides.prefill_control import PrefillControl
@@ -122,6 +123,7 @@ def prefill() -> Iterator[tuple[PrefillControl, Any, list[tuple[str, Any]], list
             warmups=0,
             host_warmups=0,
             light_warmups=0,
+            rooms=PrefillRooms(),
             note_early_abort=lambda room, reason: log.append(("early_abort", room)) or False,
             fail_rooms_of_peer=lambda agent, reason: None,
             unlink=lambda link: None,

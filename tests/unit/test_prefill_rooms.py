@@ -85,3 +85,28 @@ def test_early_aborts_are_claimed_once_and_forgotten_after_the_horizon():
     assert early.claim(1) == "refused" and early.claim(1) is None
     early.note(4, "late", now=20.0)  # 2 is past the horizon now
     assert early.claim(2) is None and early.claim(4) == "late"
+
+
+def test_a_room_that_left_the_table_is_remembered_with_its_phase(monkeypatch):
+    import sgl_nixl_plugin.protocol.prefill_rooms as pr
+
+    monkeypatch.setattr(pr, "ENDED_MEMORY", 2)
+    rooms = pr.PrefillRooms()
+    assert rooms.ended(1) is None
+    for room in (1, 2, 3):
+        rooms.open(room)
+        rooms.release(room)  # SGLang cleared it before any chunk: it leaves the table
+    assert 3 not in rooms and rooms.ended(3) == rooms.ended(2) is not None
+    assert rooms.ended(1) is None  # the oldest, past the memory's bound
+
+
+def test_early_aborts_expire_oldest_first_and_a_second_note_refreshes_a_room():
+    early = EarlyAborts(horizon_s=10.0, limit=3)
+    early.note(1, "first", now=0.0)
+    early.note(2, "second", now=5.0)
+    early.note(1, "again", now=8.0)  # refreshed: no longer the oldest
+    early.note(3, "third", now=12.0)  # 2 is within the horizon; nothing expires yet
+    assert len(early) == 3
+    early.note(4, "fourth", now=16.0)  # 2 (t=5) expired; the limit then leaves room for 4
+    assert early.claim(2) is None
+    assert [early.claim(r) for r in (1, 3, 4)] == ["again", "third", "fourth"]

@@ -5,6 +5,7 @@ room's record, the worker's active set and the in-flight count SGLang holds Succ
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -264,6 +265,26 @@ def test_an_abort_before_the_sender_exists_is_remembered_for_it(side):
     control.on_abort(Abort(99, "127.0.0.1", 7001, None, "prefill refused this decode"))
     assert side.ctx.early.claim(99) == "decode 127.0.0.1:7001: prefill refused this decode"
     assert side.ctx.early.claim(99) is None
+
+
+def test_an_abort_for_a_room_that_already_ended_here_is_not_noted_for_a_sender(side, caplog):
+    """The decode's abort crossed the room's Success and SGLang cleared the sender: the
+    room is over, not early. Nothing is kept for a sender that will never come, and the log
+    does not say the decode gave the room up before it got here."""
+    _destination(side)
+    side.worker.submit(_chunk())
+    side.engine.posted[0].state = "DONE"
+    side.worker.poll()
+    assert side.sg.concluded == [(ROOM, "success")]
+    _drained(side)
+    side.sg.clear(ROOM)
+    control = PrefillControl(side.ctx, wake=lambda room: None, recall=lambda room: None)
+    with caplog.at_level(logging.DEBUG, logger="sgl_nixl_plugin.sides.prefill_control"):
+        control.on_abort(Abort(ROOM, "127.0.0.1", 7001, None, "client went away"))
+    assert len(side.ctx.early) == 0 and side.ctx.early.claim(ROOM) is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert not any("before it got here" in m for m in lines), lines
+    assert any(f"room {ROOM}: abort after the room ended here (succeeded)" in m for m in lines)
 
 
 def test_an_abort_racing_the_senders_creation_still_fails_the_room(side):
