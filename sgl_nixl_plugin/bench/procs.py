@@ -67,8 +67,9 @@ class Inherited:
             sys.stderr.flush()
             for target, fd in zip((1, 2), self._stdio, strict=True):
                 source = fd.detach()
-                os.dup2(source, target)
-                os.close(source)
+                if source != target:  # a spawned child gets the parent's own 1 and 2 as is
+                    os.dup2(source, target)
+                    os.close(source)
             self._stdio = None
 
 

@@ -62,5 +62,13 @@ def test_forked_ranks_inherit_what_their_parent_has_when_they_start(
     assert "written by the second rank" in capfd.readouterr().err
 
 
-def test_ranks_on_a_gpu_are_spawned() -> None:
-    assert procs.context("VRAM").get_start_method() == "spawn"
+def test_ranks_on_a_gpu_are_spawned_and_write_to_their_parents_stderr(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A spawned child is handed its parent's descriptors 1 and 2 under their own numbers:
+    taking them over must not close them (the GPU host's bench ranks logged nothing)."""
+    ctx = procs.context("VRAM")
+    assert ctx.get_start_method() == "spawn"
+    seen, _ = _child_reports(ctx, "written by a spawned rank\n")
+    assert seen == {n: os.environ.get(n) for n in NAMES}
+    assert "written by a spawned rank" in capfd.readouterr().err
