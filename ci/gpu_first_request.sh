@@ -9,6 +9,10 @@
 #     bash ci/gpu_first_request.sh        # after ci/gpu_site.sh's two-call install
 #     ROUNDS=3 GC_TRACE=1 bash ci/gpu_first_request.sh   # each run 3 times; slow GCs logged
 #     ONLY='auto-p16-[0-9]' ROUNDS=6 bash ci/gpu_first_request.sh  # runs whose name matches
+#     TREES="main= lhw=ab/lhw" ONLY='^auto-p16-[0-9]' ROUNDS=3 bash ci/gpu_first_request.sh
+#         # an A/B in one call: each round runs every tree in turn (name=folder holding another
+#         # sgl_nixl_plugin package, put first on PYTHONPATH; empty: this tree), e.g. after
+#         # mkdir -p ab/lhw && git archive BRANCH sgl_nixl_plugin | tar -x -C ab/lhw
 #
 # Each run prints the bench's figures, the prefill's setup time of the decode ("set up in",
 # from the prefill's INFO log), and where the first request's time went after the
@@ -37,10 +41,13 @@ for run in "auto 16" "auto 1" "staging 16"; do
   set -- $run
   for pre in "" "--preconnect"; do
     for round in $(seq "${ROUNDS:-1}"); do
-      name="$1-p$2${pre:+-pre}-$round"
+     for tree in ${TREES:-=}; do
+      tag=${tree%%=*} dir=${tree#*=}
+      name="$1-p$2${pre:+-pre}-$round${tag:+-$tag}"
       [[ -n ${ONLY:-} && ! $name =~ $ONLY ]] && continue
-      echo "== $name: path $1, page $2 ${pre:-(learned at the first request)}" | tee -a "$SUMMARY"
-      SGLANG_NIXL_PLUGIN_TRANSFER_PATH=$1 timeout -k 10 150 python3 -m sgl_nixl_plugin bench \
+      echo "== $name: path $1, page $2 ${pre:-(learned at the first request)}${dir:+, tree $dir}" | tee -a "$SUMMARY"
+      PYTHONPATH=${dir:+$PWD/$dir:}$PYTHONPATH SGLANG_NIXL_PLUGIN_TRANSFER_PATH=$1 \
+        timeout -k 10 150 python3 -m sgl_nixl_plugin bench \
         --mem VRAM --page-size "$2" --concurrency 1 --requests 20 --min-tokens 4096 \
         --max-tokens 8192 --quiet --json $pre >"$OUT/$name.json" 2>"$OUT/$name.log"
       echo "exit $?" | tee -a "$OUT/$name.log" "$SUMMARY"
@@ -57,8 +64,9 @@ print(f"first {r['first_request_ms']:.1f} ms (handshake {r['handshake_ms']:.1f}:
 print("first request's steps (ms after send_metadata): "
       + ", ".join(f"{k} {v:.1f}" for k, v in r.get("first_request_steps_ms", {}).items()))
 PY
-      grep -o "set up in .*" "$OUT/$name.log" | head -4 | tee -a "$SUMMARY"
+      grep -oE "set up in .*|host path warmed after the reply.*" "$OUT/$name.log" | head -4 | tee -a "$SUMMARY"
       grep -E "gc-trace|late-wake|Error|error" "$OUT/$name.log" | tail -12 | tee -a "$SUMMARY"
+     done
     done
   done
 done
