@@ -24,13 +24,15 @@
 # Outputs go to $OUT (first_request.txt: the figures; one JSON and one log per run).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+REPO=$PWD
 OUT=${1:-${OUT:-/tmp/out}}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 # shellcheck source=ci/gpu_site.sh
 source ci/gpu_site.sh
 # INFO: the prefill's "connected" line says how long each decode's setup took (link, one-pass
 # mapping, warm-up): what a learned decode's first request waits for
-export PYTHONUNBUFFERED=1 SGLANG_HOST_IP=127.0.0.1 SGLANG_NIXL_PLUGIN_BENCH_LOG=INFO
+export PYTHONUNBUFFERED=1 SGLANG_HOST_IP=127.0.0.1
+export SGLANG_NIXL_PLUGIN_BENCH_LOG=${SGLANG_NIXL_PLUGIN_BENCH_LOG:-INFO}
 SUMMARY="$OUT/first_request.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee "$SUMMARY"
 if [[ ${GC_TRACE:-0} == 1 ]]; then  # its sitecustomize runs the GPU stubs' after its own
@@ -46,11 +48,15 @@ for run in "auto 16" "auto 1" "staging 16"; do
       name="$1-p$2${pre:+-pre}-$round${tag:+-$tag}"
       [[ -n ${ONLY:-} && ! $name =~ $ONLY ]] && continue
       echo "== $name: path $1, page $2 ${pre:-(learned at the first request)}${dir:+, tree $dir}" | tee -a "$SUMMARY"
-      PYTHONPATH=${dir:+$PWD/$dir:}$PYTHONPATH SGLANG_NIXL_PLUGIN_TRANSFER_PATH=$1 \
-        timeout -k 10 150 python3 -m sgl_nixl_plugin bench \
-        --mem VRAM --page-size "$2" --concurrency 1 --requests 20 --min-tokens 4096 \
-        --max-tokens 8192 --quiet --json $pre >"$OUT/$name.json" 2>"$OUT/$name.log"
-      echo "exit $?" | tee -a "$OUT/$name.log" "$SUMMARY"
+      # from /tmp: `python3 -m` puts the working directory ahead of PYTHONPATH, so run
+      # from the repository every tree would be the repository's own package
+      (cd /tmp && export PYTHONPATH=${dir:+$REPO/$dir:}$REPO:$PYTHONPATH &&
+        python3 -c 'import sgl_nixl_plugin as p; print("package:", p.__file__)' &&
+        SGLANG_NIXL_PLUGIN_TRANSFER_PATH=$1 timeout -k 10 150 python3 -m sgl_nixl_plugin \
+        bench --mem VRAM --page-size "$2" --concurrency 1 --requests 20 --min-tokens 4096 \
+        --max-tokens 8192 --quiet --json $pre >"$OUT/$name.json" 2>"$OUT/$name.log") |
+        tee -a "$SUMMARY"
+      echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.log" "$SUMMARY"
       python3 - "$OUT/$name.json" <<'PY' | tee -a "$SUMMARY"
 import json, sys
 try:
@@ -64,7 +70,7 @@ print(f"first {r['first_request_ms']:.1f} ms (handshake {r['handshake_ms']:.1f}:
 print("first request's steps (ms after send_metadata): "
       + ", ".join(f"{k} {v:.1f}" for k, v in r.get("first_request_steps_ms", {}).items()))
 PY
-      grep -oE "set up in .*|host path warmed after the reply.*" "$OUT/$name.log" | head -4 | tee -a "$SUMMARY"
+      grep -oE "set up in .*|after the reply.*" "$OUT/$name.log" | head -4 | tee -a "$SUMMARY"
       grep -E "gc-trace|late-wake|Error|error" "$OUT/$name.log" | tail -12 | tee -a "$SUMMARY"
      done
     done
