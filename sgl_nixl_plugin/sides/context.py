@@ -94,6 +94,7 @@ class PrefillContext(SideBase):
     warmups: int = 0  # decodes whose padding page took the first WRITE at registration
     light_warmups: int = 0  # of which one item only: their first request was waiting
     host_warmups: int = 0  # decodes whose scratch buffer took a host-to-host WRITE then
+    late_warmups: int = 0  # light decodes warmed up after the reply (device KV)
     warmed_shapes: set[tuple[int, int, int]] = field(default_factory=set)
 
     def warm_copier(self, unit_len: int, stride: int = 0, offset: int = 0) -> None:

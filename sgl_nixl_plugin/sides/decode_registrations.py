@@ -64,6 +64,13 @@ class Setup:
     took: str = ""  # for the log: where the setup's time went (a decode's request may wait)
 
 
+@dataclass(frozen=True)
+class LateWarm:
+    """The setup-thread job that warms a light decode up after the reply."""
+
+    agent: str
+
+
 class DecodeRegistrations:
     """The decodes being set up, and the verdict on each: ``ctx.peers`` holds the result.
 
@@ -268,6 +275,11 @@ class DecodeRegistrations:
             if isinstance(reg, OwnBuffer):
                 self.staging.prepared(reg, result)
                 continue
+            if isinstance(reg, LateWarm):
+                logger.info(
+                    "sgl-nixl: decode %s: warm-up WRITEs after the reply: %s", reg.agent, result
+                )
+                continue
             self.setting_up.pop(reg.agent_name, None)
             self.request_waits.discard(reg.agent_name)
             if isinstance(result, Exception):
@@ -351,6 +363,29 @@ class DecodeRegistrations:
             one_pass=link.one_pass if not reason and link is not None else None,
             wants_staging=setup.wants_staging and not reason,
         )
+        if not reason and link is not None and setup.warm_light:
+            self._warm_late(link, reg)
+
+    def _warm_late(self, link: PeerLink, reg: PeerRegistration) -> None:
+        """A light decode (its first request waited) got no warm-up before the reply. Where
+        our KV is device memory, the KV goes by a one-pass copy or staged, but the room's
+        state and aux rows still go by NIXL WRITEs whose transport paths (device to device,
+        host to host) nothing has wired up: the first room paid that, 10-16 ms after its
+        copy on an H100. The whole warm-up runs now, on the setup thread, while the first
+        request's forward pass runs; its chunks do not wait for it. With a host KV pool the
+        first request's own KV WRITE wires the same path up: none."""
+        if not self.ctx.settings.warmup or self.ctx.engine.memory.kv.mem_kind == "DRAM":
+            return
+        scratch = reg.scratch
+
+        def warm() -> str:
+            ms = self._warm(link, reg.agent_name, None, scratch, late=True)
+            if ms is None:
+                return "failed; the first room pays the wire-up"
+            self.ctx.late_warmups += 1
+            return f"{ms:.1f} ms"
+
+        self.setup.submit(LateWarm(reg.agent_name), warm)
 
     def _ask_staging(self, peer: DecodePeer) -> None:
         """Our buffer came after the accept: the same reply again, now asking the decode
@@ -367,6 +402,7 @@ class DecodeRegistrations:
         staging: RemoteStaging | None,
         scratch: Region | None,
         light: bool = False,
+        late: bool = False,
     ) -> float | None:
         """The first WRITEs to a new decode, into its padding page, (staged path) its
         staging buffer's spare tail and (host aux rows) its scratch buffer, before the
@@ -375,7 +411,8 @@ class DecodeRegistrations:
         already waits (``light``: it said so, or the request came during the link) gets
         none, since that request would wait for the warm-up's wire-up and then pay the
         rest of it itself (a one-item WRITE left the CPU host's first request ~2.5 ms
-        slower than none). A failure is logged, not a refusal: the requests then report it."""
+        slower than none). A failure is logged, not a refusal: the requests then report it.
+        ``late``: after the reply (:meth:`_warm_late`), counted there."""
         if not self.ctx.settings.warmup:
             return None
         if light:
@@ -389,9 +426,9 @@ class DecodeRegistrations:
                 ms += engine.warm_staging(link, local, staging, bound) * 1e3
             if scratch is not None and scratch.mem_kind == "DRAM":
                 host_s = engine.warm_host(link, scratch.ptr, scratch.length, bound)
-                self.ctx.host_warmups += host_s > 0
+                self.ctx.host_warmups += host_s > 0 and not late
                 ms += host_s * 1e3
-            self.ctx.warmups += 1
+            self.ctx.warmups += not late
             return ms
         except TransferError as exc:
             logger.warning(

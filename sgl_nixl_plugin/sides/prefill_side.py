@@ -77,5 +77,6 @@ class PrefillSide:
         out["count.warmups"] = self.ctx.warmups
         out["count.host_warmups"] = self.ctx.host_warmups
         out["count.light_warmups"] = self.ctx.light_warmups
+        out["count.late_warmups"] = self.ctx.late_warmups
         out.update({f"worker{i}.rooms": len(w.active) for i, w in enumerate(self.workers)})
         return out

@@ -36,6 +36,7 @@ from sgl_nixl_plugin.wire.messages import (
     PeerRegistration,
     Ping,
     Pong,
+    Region,
     RegistrationReply,
     TransferRequest,
 )
@@ -56,13 +57,21 @@ class HeldWarmEngine:
         self.linking = threading.Event()
         self.link_release = threading.Event()
         self.link_release.set()  # a test clears it to hold the link
+        self.memory = types.SimpleNamespace(kv=types.SimpleNamespace(mem_kind="DRAM"))
+        self.log: list[tuple[str, Any]] = []  # a test may give it the control loop's log
+        #: (kind, decode, replies sent before it) of each warm-up WRITE, in order
+        self.warms: list[tuple[str, str, int]] = []
 
     def link(self, metadata: bytes, remote: Any, groups: Any, page_tokens: Any) -> Any:
         self.linking.set()
         self.link_release.wait(3 * BOUND_S)
         return types.SimpleNamespace(name=metadata.decode(), groups={}, one_pass=None)
 
+    def _replies(self) -> int:
+        return sum(isinstance(m, RegistrationReply) for _, m in list(self.log))
+
     def warm(self, link: Any, timeout_s: float = 1.0, items: int | None = None) -> float:
+        self.warms.append(("kv", link.name, self._replies()))
         self.warm_thread = threading.current_thread().name
         self.warm_items.append(items)
         self.warming.set()
@@ -70,6 +79,10 @@ class HeldWarmEngine:
         self.release.wait(3 * BOUND_S)  # past any wait of the test's
         self.warmed.set()
         return time.monotonic() - started
+
+    def warm_host(self, link: Any, dst: int, dst_len: int, timeout_s: float = 1.0) -> float:
+        self.warms.append(("host", link.name, self._replies()))
+        return 0.001
 
 
 def _registration(agent: str, port: int, compat: Compat = COMPAT) -> PeerRegistration:
@@ -123,6 +136,7 @@ def prefill() -> Iterator[tuple[PrefillControl, Any, list[tuple[str, Any]], list
             warmups=0,
             host_warmups=0,
             light_warmups=0,
+            late_warmups=0,
             rooms=PrefillRooms(),
             note_early_abort=lambda room, reason: log.append(("early_abort", room)) or False,
             fail_rooms_of_peer=lambda agent, reason: None,
@@ -246,6 +260,46 @@ def test_a_decode_whose_first_request_waits_gets_no_warm_up(prefill, waits):
     _until(log, "the repeat's reply", lambda m: sum(
         isinstance(x, RegistrationReply) for _, x in log) == 2)  # fmt: skip
     assert ctl.registrations.setup.completed == 1
+
+
+@pytest.mark.parametrize("kv", ["VRAM", "DRAM"])
+def test_a_waited_for_decode_of_a_device_pool_is_warmed_up_after_the_reply(prefill, kv):
+    """A decode whose first request waits gets no warm-up before the reply. Where our KV is
+    device memory the room's state and aux rows still go by NIXL WRITEs that no copy wires
+    up (its first room paid 10-16 ms for that on an H100), so the whole warm-up (padding
+    page, host scratch) runs right after the reply, on the setup thread. With a host KV
+    pool the first KV WRITE wires the path up: none."""
+    ctl, push, log, (port_a, port_b) = prefill
+    codec, engine = ctl.ctx.codec, ctl.ctx.engine
+    engine.memory.kv.mem_kind, engine.log = kv, log
+    engine.release.set()
+    scratch = Region(ptr=4096, length=1 << 16, item_len=1 << 16, mem_kind="DRAM")
+    reg = _registration("decode-a", port_a)
+    push.send_multipart(
+        codec.encode(msgspec.structs.replace(reg, request_waits=True, scratch=scratch))
+    )
+    _until(log, "decode-a's reply", lambda m: isinstance(m, RegistrationReply))
+    # the setup thread runs its jobs in order: decode-b's is set up after anything the
+    # accept of decode-a queued there
+    push.send_multipart(codec.encode(_registration("decode-b", port_b)))
+    _until(
+        log,
+        "decode-b's reply",
+        lambda m: isinstance(m, RegistrationReply) and m.agent_name == "decode-b",
+    )
+    assert ctl.ctx.light_warmups == 1 and ctl.ctx.warmups == 1  # decode-b: before its reply
+    if kv == "VRAM":
+        # decode-a's after its reply (one sent), before decode-b's setup
+        assert engine.warms == [
+            ("kv", "decode-a", 1),
+            ("host", "decode-a", 1),
+            ("kv", "decode-b", 1),
+        ]
+        assert ctl.ctx.late_warmups == 1 and ctl.ctx.host_warmups == 0
+        assert ctl.registrations.setup.completed == 3
+    else:
+        assert engine.warms == [("kv", "decode-b", 1)] and ctl.ctx.late_warmups == 0
+        assert ctl.registrations.setup.completed == 2
 
 
 class HeldAllocation:
