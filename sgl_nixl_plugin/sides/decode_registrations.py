@@ -368,9 +368,9 @@ class DecodeRegistrations:
 
     def _warm_late(self, link: PeerLink, reg: PeerRegistration) -> None:
         """A light decode (its first request waited) got no warm-up before the reply. Where
-        our KV is device memory, the KV goes by a one-pass copy or staged, but the room's
-        state and aux rows still go by NIXL WRITEs whose transport paths (device to device,
-        host to host) nothing has wired up: the first room paid that, 10-16 ms after its
+        our KV is device memory, its KV may go by a copy (one pass, staged) while the
+        room's state and aux rows go by NIXL WRITEs (device to device, host to host) whose
+        transport paths nothing has wired up: the first room paid that, ~10 ms after its
         copy on an H100. The whole warm-up runs now, on the setup thread, while the first
         request's forward pass runs; its chunks do not wait for it. With a host KV pool the
         first request's own KV WRITE wires the same path up: none."""
