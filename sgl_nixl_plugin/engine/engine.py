@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +130,23 @@ class GroupLink:
         return src, dst, first
 
 
+@dataclass(frozen=True)
+class GroupBounds:
+    """What a peer's transfer request is checked against before its link exists: the
+    bounds of one of its groups as the link will address it (``TransferEngine.bounds``)."""
+
+    remote_items: int
+    page_tokens: tuple[int, int] = (0, 0)
+
+    @property
+    def by_token(self) -> bool:
+        return self.page_tokens != (0, 0)
+
+    @property
+    def remote_pages(self) -> int:
+        return self.remote_items // self.page_tokens[1] if self.by_token else self.remote_items
+
+
 @dataclass
 class PeerLink:
     """Everything prepared for WRITEs to one remote agent."""
@@ -203,23 +221,12 @@ class TransferEngine:
         ``page_tokens`` = (local, remote) tokens a page: when they differ, the KV groups are
         prepared per token row (``RegionSet.per_token``) and ``geometries['kv']`` speaks of
         token rows; chunks are then paired token by token (``GroupLink.items_of``)."""
-        by_token = page_tokens is not None and page_tokens[0] != page_tokens[1]
         name = self.agent.add_peer(metadata)
         link = PeerLink(name)
-        local_groups, remote_groups = self.memory.groups(), remote.groups()
+        local_groups = self.memory.groups()
         try:
-            for group, theirs in remote_groups.items():
-                mine = local_group(group)
-                local = local_groups.get(mine)
-                if local is None:
-                    continue
-                n = min(len(local), len(theirs))
-                local, theirs = _first(local, n), _first(theirs, n)
-                tokens = (0, 0)
-                if by_token and mine == "kv":
-                    assert page_tokens is not None
-                    tokens = page_tokens
-                    local, theirs = local.per_token(tokens[0]), theirs.per_token(tokens[1])
+            for group, mine, local, theirs, tokens in self._paired(remote, page_tokens):
+                n = len(theirs)
                 geo = (geometries or {}).get(mine, Geometry.whole_items())
                 if geo.is_whole_items and local.item_lens != theirs.item_lens:
                     raise TransferError(
@@ -253,6 +260,38 @@ class TransferEngine:
             self.unlink(link)
             raise
         return link
+
+    def _paired(
+        self, remote: Memory, page_tokens: tuple[int, int] | None
+    ) -> Iterator[tuple[str, str, RegionSet, RegionSet, tuple[int, int]]]:
+        """Each group both sides have, as a link addresses it: (group, local group, local
+        regions, peer regions, page tokens); the regions cut to the shorter list, per token
+        row for the KV when the page sizes differ."""
+        by_token = page_tokens is not None and page_tokens[0] != page_tokens[1]
+        local_groups = self.memory.groups()
+        for group, theirs in remote.groups().items():
+            mine = local_group(group)
+            local = local_groups.get(mine)
+            if local is None:
+                continue
+            n = min(len(local), len(theirs))
+            local, theirs = _first(local, n), _first(theirs, n)
+            tokens = (0, 0)
+            if by_token and mine == "kv":
+                assert page_tokens is not None
+                tokens = page_tokens
+                local, theirs = local.per_token(tokens[0]), theirs.per_token(tokens[1])
+            yield group, mine, local, theirs, tokens
+
+    def bounds(
+        self, remote: Memory, page_tokens: tuple[int, int] | None = None
+    ) -> dict[str, GroupBounds]:
+        """The bounds ``link`` will give each group, without NIXL: a peer's requests can be
+        checked (and filed) while its link is still being set up."""
+        return {
+            group: GroupBounds(int(theirs.num_items.min()), tokens)
+            for group, _, _, theirs, tokens in self._paired(remote, page_tokens)
+        }
 
     def _prep_local_prefix(self, group: str, regions: RegionSet, geo: Geometry) -> _Side:
         # Only when a peer has fewer regions of a group than we do (aux lists differ).

@@ -1,11 +1,11 @@
-"""The decode ranks a prefill rank has accepted, and those it refused."""
+"""The decode ranks a prefill rank has accepted, those it refused, and those being set up."""
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from sgl_nixl_plugin.engine.engine import PeerLink
+from sgl_nixl_plugin.engine.engine import GroupBounds, PeerLink
 from sgl_nixl_plugin.engine.staging import RemoteStaging
 from sgl_nixl_plugin.wire.messages import PeerRegistration
 
@@ -32,12 +32,26 @@ class DecodePeer:
         return self.reg.staging_slot_bytes if self.wants_staging else 0
 
 
+@dataclass(eq=False)
+class PendingDecode:
+    """A decode rank whose link is being set up: its requests are checked against
+    ``bounds`` and filed meanwhile (SGLang's prefill starts a request's forward pass only
+    once it is filed); their chunks wait for the link. ``rooms``: those filed so far."""
+
+    reg: PeerRegistration
+    bounds: dict[str, GroupBounds]
+    rooms: set[int] = field(default_factory=set)
+
+
 class DecodePeers:
-    """Accepted decode ranks by agent name, and the reason each refused one was refused."""
+    """Accepted decode ranks by agent name, the reason each refused one was refused, and
+    the ones being set up. A decode moves from ``pending`` to ``accepted`` or ``refused``
+    (or out, to register again) under ``lock``, so a reader never finds it in none."""
 
     def __init__(self) -> None:
         self.accepted: dict[str, DecodePeer] = {}
         self.refused: dict[str, str] = {}
+        self.pending: dict[str, PendingDecode] = {}
         self.lock = threading.Lock()
 
     def get(self, agent: str) -> DecodePeer | None:
@@ -46,3 +60,8 @@ class DecodePeers:
     def lookup(self, agent: str) -> tuple[DecodePeer | None, str | None]:
         with self.lock:
             return self.accepted.get(agent), self.refused.get(agent)
+
+    def waits_for_link(self, agent: str) -> bool:
+        """Whether ``agent`` is still being set up (its chunks wait for the link)."""
+        with self.lock:
+            return agent in self.pending and agent not in self.accepted

@@ -18,12 +18,12 @@ import msgspec
 
 from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.engine import Memory, PeerLink
-from sgl_nixl_plugin.engine.staging import RemoteStaging
-from sgl_nixl_plugin.protocol.peers import DecodePeer
+from sgl_nixl_plugin.protocol.peers import DecodePeer, PendingDecode
 from sgl_nixl_plugin.sides.context import PrefillContext
 from sgl_nixl_plugin.sides.memory import decode_heads, kv_geometry, remote_memory
 from sgl_nixl_plugin.sides.one_pass import attach as attach_one_pass
 from sgl_nixl_plugin.sides.peer_setup import SetupThread
+from sgl_nixl_plugin.sides.peer_warmup import LateWarm, PeerWarmup
 from sgl_nixl_plugin.sides.pipeline_stages import DecodeStage, PrefillStage, decode_kv_window
 from sgl_nixl_plugin.sides.staging_asks import OwnBuffer, StagingAsks, registered_staging
 from sgl_nixl_plugin.wire.codec import ForeignRegistration
@@ -33,7 +33,6 @@ from sgl_nixl_plugin.wire.messages import (
     Abort,
     PeerRegistration,
     PieceDone,
-    Region,
     RegistrationReply,
     SlotGrant,
     SlotRecall,
@@ -64,27 +63,28 @@ class Setup:
     took: str = ""  # for the log: where the setup's time went (a decode's request may wait)
 
 
-@dataclass(frozen=True)
-class LateWarm:
-    """The setup-thread job that warms a light decode up after the reply."""
-
-    agent: str
-
-
 class DecodeRegistrations:
     """The decodes being set up, and the verdict on each: ``ctx.peers`` holds the result.
 
     ``interrupt`` wakes the control thread when a setup finishes.
     """
 
-    def __init__(self, ctx: PrefillContext, interrupt: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        ctx: PrefillContext,
+        interrupt: Callable[[], None],
+        wake: Callable[[int], None] = lambda room: None,
+    ) -> None:
+        """``wake(room)``: the room's transfer worker, whose chunks may wait for a link."""
         self.ctx = ctx
+        self.wake = wake
         # decodes being set up: agent -> control endpoint
         self.setting_up: dict[str, tuple[str, int]] = {}
         # decodes being set up whose first request already waits: a warm-up would only
         # delay it (``_warm``); written by the control thread, read by the setup thread
         self.request_waits: set[str] = set()
         self.setup = SetupThread("sgl-nixl-prefill-setup", interrupt)
+        self.warmup = PeerWarmup(ctx, self.setup)
         self.staging = StagingAsks(ctx, self.setup, self.setting_up, self._ask_staging)
         ctx.staging_need = self.staging.need
 
@@ -96,6 +96,18 @@ class DecodeRegistrations:
         if isinstance(msg, Abort):
             return (msg.ip, msg.port) in self.setting_up.values()
         return isinstance(msg, _FROM_AGENT) and msg.agent_name in self.setting_up
+
+    def files_early(self, msg: Any) -> bool:
+        """Whether ``msg``, from a decode being set up, is handled now: a transfer request
+        its registration can check (filed, so SGLang's prefill starts its forward pass
+        while the link is set up; its chunks wait for the link), or an abort of a room
+        filed here. Anything else waits for the setup, in arrival order."""
+        if isinstance(msg, Abort):
+            return self.ctx.rooms.get(msg.room) is not None
+        if not isinstance(msg, TransferRequest) or msg.staged:
+            return False
+        with self.ctx.peers.lock:
+            return msg.agent_name in self.ctx.peers.pending
 
     def note_waiting(self, msg: Any) -> None:
         """``msg`` waits for its decode's setup: a request among them makes it light."""
@@ -185,7 +197,25 @@ class DecodeRegistrations:
         self.setting_up[reg.agent_name] = endpoint
         if waits:
             self.request_waits.add(reg.agent_name)  # read by the setup thread
+        try:
+            remote, _ = self._remote_of(reg, pages)
+            bounds = ctx.engine.bounds(remote, pages)
+        except ValueError:  # the setup refuses it: its requests wait for the verdict
+            bounds = None
+        if bounds is not None:
+            with peers.lock:
+                peers.pending[reg.agent_name] = PendingDecode(reg, bounds)
         self.setup.submit(reg, lambda: self._set_up(reg, pages))
+
+    def _remote_of(
+        self, reg: PeerRegistration, pages: tuple[int, int]
+    ) -> tuple[Memory, tuple[int, ...] | None]:
+        """The decode's memory as this rank writes it, and its KV window (pipeline stage)."""
+        remote = remote_memory(reg.kv, reg.aux, reg.state, reg.host_kv, reg.host_state)
+        window = decode_kv_window(
+            self.ctx.stage, DecodeStage(reg.pp_rank, reg.pp_size, len(reg.kv), reg.draft_entries)
+        )
+        return in_window(remote, window), window
 
     def _set_up(self, reg: PeerRegistration, pages: tuple[int, int]) -> Setup:
         """On the setup thread: the decode's link, its warm-up WRITEs and (one pass) its
@@ -215,11 +245,7 @@ class DecodeRegistrations:
                 src_tp_rank=ctx.attn_tp_rank,
                 dst_tp_rank=reg.tp_rank,
             )
-            remote = remote_memory(reg.kv, reg.aux, reg.state, reg.host_kv, reg.host_state)
-            window = decode_kv_window(
-                ctx.stage, DecodeStage(reg.pp_rank, reg.pp_size, len(reg.kv), reg.draft_entries)
-            )
-            remote = in_window(remote, window)
+            remote, window = self._remote_of(reg, pages)
             ctx.sglang.check_aux_count(reg.agent_name, len(reg.aux))
             link = ctx.engine.link(reg.agent_metadata, remote, {"kv": geometry}, page_tokens=pages)
         except ValueError as exc:
@@ -245,7 +271,7 @@ class DecodeRegistrations:
         stages = may_stage and self.staging.ready_now(reg)
         area = registered_staging(reg) if stages else None
         t_one_pass = time.perf_counter()
-        warm_ms = self._warm(link, reg.agent_name, area, reg.scratch, light)
+        warm_ms = self.warmup.before_reply(link, reg.agent_name, area, reg.scratch, light)
         if stages and not geometry.is_whole_items:
             ctx.warm_copier(geometry.unit_len, geometry.src_stride, geometry.src_offset)
         t1 = time.perf_counter()
@@ -280,7 +306,6 @@ class DecodeRegistrations:
                     "sgl-nixl: decode %s: warm-up WRITEs after the reply: %s", reg.agent, result
                 )
                 continue
-            self.setting_up.pop(reg.agent_name, None)
             self.request_waits.discard(reg.agent_name)
             if isinstance(result, Exception):
                 logger.error("sgl-nixl: setting up decode %s failed: %r", reg.agent_name, result)
@@ -298,6 +323,11 @@ class DecodeRegistrations:
             logger.error(
                 "sgl-nixl: could not connect decode %s: %s", reg.agent_name, setup.unreachable
             )
+            with peers.lock:
+                pending = self._end_setup(reg.agent_name)
+            self._settle_early(
+                reg.agent_name, pending, f"NIXL could not connect: {setup.unreachable}"
+            )
             self.reply(
                 endpoint, reg.agent_name, f"NIXL could not connect: {setup.unreachable}", retry=True
             )
@@ -305,6 +335,7 @@ class DecodeRegistrations:
         reason, link = setup.reason, setup.link
         old_link = None
         with peers.lock:
+            pending = self._end_setup(reg.agent_name)
             stale = [
                 p
                 for p in peers.accepted.values()
@@ -331,6 +362,7 @@ class DecodeRegistrations:
                 peers.refused.pop(reg.agent_name, None)
         if old_link is not None:
             ctx.unlink(old_link)
+        self._settle_early(reg.agent_name, pending, reason)
         if reason:
             logger.error(
                 "sgl-nixl: refused decode %s at %s:%s: %s", reg.agent_name, *endpoint, reason
@@ -364,28 +396,23 @@ class DecodeRegistrations:
             wants_staging=setup.wants_staging and not reason,
         )
         if not reason and link is not None and setup.warm_light:
-            self._warm_late(link, reg)
+            self.warmup.after_reply(link, reg)
 
-    def _warm_late(self, link: PeerLink, reg: PeerRegistration) -> None:
-        """A light decode (its first request waited) got no warm-up before the reply. Where
-        our KV is device memory, its KV may go by a copy (one pass, staged) while the
-        room's state and aux rows go by NIXL WRITEs (device to device, host to host) whose
-        transport paths nothing has wired up: the first room paid that, ~10 ms after its
-        copy on an H100. The whole warm-up runs now, on the setup thread, while the first
-        request's forward pass runs; its chunks do not wait for it. With a host KV pool the
-        first request's own KV WRITE wires the same path up: none."""
-        if not self.ctx.settings.warmup or self.ctx.engine.memory.kv.mem_kind == "DRAM":
+    def _end_setup(self, agent: str) -> PendingDecode | None:
+        """The decode leaves the tables of those being set up (under ``peers.lock``, with
+        its verdict: the workers never find it in neither)."""
+        self.setting_up.pop(agent, None)
+        return self.ctx.peers.pending.pop(agent, None)
+
+    def _settle_early(self, agent: str, pending: PendingDecode | None, reason: str) -> None:
+        """The rooms filed during the setup: failed with ``reason`` when it refused the
+        decode (their chunks cannot go), and their workers woken to post or drop them."""
+        if pending is None or not pending.rooms:
             return
-        scratch = reg.scratch
-
-        def warm() -> str:
-            ms = self._warm(link, reg.agent_name, None, scratch, late=True)
-            if ms is None:
-                return "failed; the first room pays the wire-up"
-            self.ctx.late_warmups += 1
-            return f"{ms:.1f} ms"
-
-        self.setup.submit(LateWarm(reg.agent_name), warm)
+        if reason:
+            self.ctx.fail_rooms_of_peer(agent, f"decode {agent}: {reason}")
+        for room in sorted(pending.rooms):
+            self.wake(room)
 
     def _ask_staging(self, peer: DecodePeer) -> None:
         """Our buffer came after the accept: the same reply again, now asking the decode
@@ -394,47 +421,6 @@ class DecodeRegistrations:
         self.reply(
             peer.endpoint, peer.agent, window=peer.window, one_pass=one_pass, wants_staging=True
         )
-
-    def _warm(
-        self,
-        link: PeerLink,
-        agent: str,
-        staging: RemoteStaging | None,
-        scratch: Region | None,
-        light: bool = False,
-        late: bool = False,
-    ) -> float | None:
-        """The first WRITEs to a new decode, into its padding page, (staged path) its
-        staging buffer's spare tail and (host aux rows) its scratch buffer, before the
-        reply: they take the transport's wire-up off its first request. Only for a decode
-        that registered ahead of its requests (at start-up): one whose first request
-        already waits (``light``: it said so, or the request came during the link) gets
-        none, since that request would wait for the warm-up's wire-up and then pay the
-        rest of it itself (a one-item WRITE left the CPU host's first request ~2.5 ms
-        slower than none). A failure is logged, not a refusal: the requests then report it.
-        ``late``: after the reply (:meth:`_warm_late`), counted there."""
-        if not self.ctx.settings.warmup:
-            return None
-        if light:
-            self.ctx.light_warmups += 1
-            return None
-        engine, local = self.ctx.engine, self.ctx.staging
-        bound = self.ctx.settings.warmup_timeout_s
-        try:
-            ms = engine.warm(link, bound) * 1e3
-            if local is not None and staging is not None:
-                ms += engine.warm_staging(link, local, staging, bound) * 1e3
-            if scratch is not None and scratch.mem_kind == "DRAM":
-                host_s = engine.warm_host(link, scratch.ptr, scratch.length, bound)
-                self.ctx.host_warmups += host_s > 0 and not late
-                ms += host_s * 1e3
-            self.ctx.warmups += not late
-            return ms
-        except TransferError as exc:
-            logger.warning(
-                "sgl-nixl: decode %s: %s; its first request pays the wire-up", agent, exc
-            )
-            return None
 
     def _drop_locked(self, peer: DecodePeer, why: str) -> None:
         self.ctx.peers.accepted.pop(peer.agent, None)

@@ -59,7 +59,7 @@ class PrefillControl(ControlLoop):
         self.recall = recall
         self._pending: dict[tuple[str, int], str] = {}
         self._accepted: dict[tuple[str, int], str] = {}
-        self.registrations = DecodeRegistrations(ctx, self.interrupt)
+        self.registrations = DecodeRegistrations(ctx, self.interrupt, wake)
         # messages of decodes being set up, read meanwhile: handled in arrival order once
         # their registration is finished
         self._deferred: list[Any] = []
@@ -82,10 +82,12 @@ class PrefillControl(ControlLoop):
         super().tick()
 
     def _handle(self, decoded: Any) -> None:
-        if self.registrations.waits_for_setup(decoded.msg):
-            self._deferred.append(decoded)
-            self.registrations.note_waiting(decoded.msg)
-            return
+        regs = self.registrations
+        if regs.waits_for_setup(decoded.msg):
+            regs.note_waiting(decoded.msg)
+            if not regs.files_early(decoded.msg):
+                self._deferred.append(decoded)
+                return
         try:
             self._dispatch(decoded.msg, decoded.kv, decoded.state)
         except Exception:

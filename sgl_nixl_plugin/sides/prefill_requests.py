@@ -8,6 +8,8 @@ that its real decode is about to claim.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -33,8 +35,13 @@ def file_request(
     once every decode rank it waits for filed one."""
     sg = ctx.sglang
     room, target = req.room, (req.ip, req.port)
-    peer, refused = ctx.peers.lookup(req.agent_name)
-    if peer is None:
+    with ctx.peers.lock:
+        peer, refused = (
+            ctx.peers.accepted.get(req.agent_name),
+            ctx.peers.refused.get(req.agent_name),
+        )
+        pending = ctx.peers.pending.get(req.agent_name) if peer is None else None
+    if peer is None and pending is None:
         reason = refused or (
             f"prefill has no registration from decode agent {req.agent_name} "
             "(it restarted or was dropped); it re-registers on its next request"
@@ -45,11 +52,13 @@ def file_request(
         if refused is None:
             registrations.reply(target, req.agent_name, reason, retry=True)
         return
+    # checked against the link, or, while it is set up, the bounds it will have
+    groups: Mapping[str, Any] = peer.link.groups if peer is not None else pending.bounds  # type: ignore[union-attr]
     kv = np.empty(0, np.int32) if kv is None else kv
     problem = None
     if not req.is_dummy:
         prefix, where = (HOST, "host ") if req.host else ("", "")
-        kv_group = peer.link.groups.get(f"{prefix}kv")
+        kv_group = groups.get(f"{prefix}kv")
         if kv_group is None and req.host:
             problem = "a host destination, but the decode registered no host KV pool"
         else:
@@ -58,11 +67,11 @@ def file_request(
             )
             if problem is None and kv_group is not None and kv_group.by_token:
                 problem = _prefix_misaligned(req.decode_prefix_len, kv_group.page_tokens)
-        aux_group = peer.link.groups.get("aux")
+        aux_group = groups.get("aux")
         if problem is None and req.aux_index >= 0 and aux_group is not None:
             problem = validate_items(np.array([req.aux_index]), aux_group.remote_items, "aux row")
         for i, s in enumerate(state):
-            g = peer.link.groups.get(f"{prefix}state{i}")
+            g = groups.get(f"{prefix}state{i}")
             if problem is None and len(s):
                 problem = validate_items(s, g.remote_items if g else 0, f"{where}state[{i}]")
     if problem is not None:
@@ -92,7 +101,10 @@ def file_request(
         ctx.reject("duplicate_request", f"room {room}", req.agent_name)
         return
     rec = ctx.rooms.open(room)  # the room's record: from its first destination
-    if req.staged and not req.is_dummy and peer.staging_slot_bytes:
+    if pending is not None:
+        with ctx.peers.lock:
+            pending.rooms.add(room)  # its chunks wait for the link; woken when it is set up
+    elif req.staged and not req.is_dummy and peer is not None and peer.staging_slot_bytes:
         rec.credits[req.agent_name] = SlotCredits(req.staging_slots)
     if req.decode_prefix_len:
         sg.set_decode_prefix_len(room, req.decode_prefix_len)

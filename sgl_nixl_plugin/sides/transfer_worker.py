@@ -63,6 +63,9 @@ class TransferWorker:
         # until the next put while its room waited to post)
         self.queue: queue.Queue[Any] = queue.Queue()
         self.active: dict[int, PrefillRoom] = {}  # the rooms this worker claimed
+        # chunks of rooms filed while a decode's link was set up, in arrival order: they
+        # go once the control thread has its verdict (``DecodeRegistrations``) and wakes us
+        self.parked: list[Chunk] = []
         self.kernels = 0  # one-pass copies in flight (each ends in ~1 ms: poll at once)
         self._backoff = self.MIN_BACKOFF_S
         self._stop = threading.Event()
@@ -105,6 +108,8 @@ class TransferWorker:
                     elif chunk is not _WAKE:
                         self.submit(chunk)
                     chunk = self.queue.get_nowait() if not self.queue.empty() else None
+                if self.parked:
+                    self._unpark()
                 quick = self.kernels > 0 or any(
                     j.send.needs_polling for r in self.active.values() for j in r.jobs
                 )
@@ -150,7 +155,11 @@ class TransferWorker:
         """Post a chunk's WRITEs (the worker thread; tests call it in process). The chunk
         counts as in flight before the room's status is read: an abort marks the room
         Failed, then ACKs once nothing is in flight, so either it sees this chunk (and its
-        ACK waits for the WRITEs posted here) or we see Failed."""
+        ACK waits for the WRITEs posted here) or we see Failed. A chunk for a decode still
+        being set up waits (``parked``) without counting: nothing of it is posted."""
+        if self._waits_for_link(chunk):
+            self.parked.append(chunk)
+            return
         rec = self.active.get(chunk.room)
         if rec is None:
             rec, effects = self.ctx.rooms.claim(chunk.room, chunk.is_last)
@@ -166,6 +175,25 @@ class TransferWorker:
         finally:
             self._feed(rec, Settled())  # the chunk's posts are done
             self._store_flags(rec)
+
+    def _waits_for_link(self, chunk: Chunk) -> bool:
+        """Whether a destination of the chunk's room is a decode still being set up (or an
+        earlier chunk of the room waits: chunks go in order)."""
+        peers = self.ctx.peers
+        if not self.parked and not peers.pending:  # the steady state: no setup under way
+            return False
+        if any(c.room == chunk.room for c in self.parked):
+            return True
+        infos = self.ctx.sglang.destinations(chunk.room).values()
+        return any(not i.is_dummy and peers.waits_for_link(i.agent) for i in infos)
+
+    def _unpark(self) -> None:
+        """Submit the parked chunks whose decodes' setup ended (those still set up wait
+        again, in order); a room SGLang cleared meanwhile drops its chunks."""
+        parked, self.parked = self.parked, []
+        for chunk in parked:
+            if self.ctx.sglang.exists(chunk.room):
+                self.submit(chunk)
 
     def _submit_counted(self, rec: PrefillRoom, chunk: Chunk) -> None:
         sg, room = self.ctx.sglang, chunk.room
@@ -191,9 +219,13 @@ class TransferWorker:
 
     def _submit_to(self, rec: PrefillRoom, chunk: Chunk, info: TransferInfo) -> None:
         ctx = self.ctx
-        peer = ctx.peers.get(info.agent)
+        peer, refused = ctx.peers.lookup(info.agent)
         if peer is None:
-            raise TransferError(f"decode {info.agent} is no longer connected")
+            raise TransferError(
+                f"decode {info.agent} was refused: {refused}"
+                if refused
+                else f"decode {info.agent} is no longer connected"
+            )
         link = peer.link
         group = f"{info.groups}kv"
         g = link.groups.get(group)

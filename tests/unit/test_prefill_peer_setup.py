@@ -17,18 +17,20 @@ from dataclasses import replace
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 from helpers.waiting import poll_until
 from helpers.zmq_pair import loopback_pair
 
+from sgl_nixl_plugin.engine.engine import GroupBounds
 from sgl_nixl_plugin.engine.staging_memory import LazyStaging
 from sgl_nixl_plugin.protocol.peers import DecodePeers
 from sgl_nixl_plugin.protocol.prefill_rooms import PrefillRooms
 from sgl_nixl_plugin.settings import Settings
 from sgl_nixl_plugin.sides.pipeline_stages import PrefillStage
 from sgl_nixl_plugin.sides.prefill_control import PrefillControl
-from sgl_nixl_plugin.wire.codec import Codec
+from sgl_nixl_plugin.wire.codec import Codec, index_specs
 from sgl_nixl_plugin.wire.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -39,9 +41,11 @@ from sgl_nixl_plugin.wire.messages import (
     Region,
     RegistrationReply,
     TransferRequest,
+    TransferStatus,
 )
 
 BOUND_S = 10.0  # how long anything here may take; the warm-up waits at most this long
+KV_PAGES = 64  # the pages each decode's KV pool has here
 COMPAT = Compat(PROTOCOL_VERSION, "bf16", 16, 1, True)
 
 
@@ -61,10 +65,16 @@ class HeldWarmEngine:
         self.log: list[tuple[str, Any]] = []  # a test may give it the control loop's log
         #: (kind, decode, replies sent before it) of each warm-up WRITE, in order
         self.warms: list[tuple[str, str, int]] = []
+        self.refuse = ""  # a test sets it: the link refuses the layout once released
+
+    def bounds(self, remote: Any, page_tokens: Any) -> dict[str, GroupBounds]:
+        return {"kv": GroupBounds(KV_PAGES)}
 
     def link(self, metadata: bytes, remote: Any, groups: Any, page_tokens: Any) -> Any:
         self.linking.set()
         self.link_release.wait(3 * BOUND_S)
+        if self.refuse:
+            raise ValueError(self.refuse)
         return types.SimpleNamespace(name=metadata.decode(), groups={}, one_pass=None)
 
     def _replies(self) -> int:
@@ -83,6 +93,40 @@ class HeldWarmEngine:
     def warm_host(self, link: Any, dst: int, dst_len: int, timeout_s: float = 1.0) -> float:
         self.warms.append(("host", link.name, self._replies()))
         return 0.001
+
+
+class Tables:
+    """SGLang's room tables as far as filing a request reaches them: a room marked ready
+    is logged ``("ready", room)``."""
+
+    def __init__(self, log: list[tuple[str, Any]]) -> None:
+        self.log = log
+        self.infos: dict[int, dict[str, Any]] = {}
+
+    def check_aux_count(self, agent: str, n: int) -> None:
+        pass
+
+    def rooms_with_destinations(self) -> list[tuple[int, dict[str, Any]]]:
+        return list(self.infos.items())
+
+    def add_destination(self, info: Any) -> int | None:
+        infos = self.infos.setdefault(info.room, {})
+        if info.agent in infos:
+            return None
+        infos[info.agent] = info
+        return len(infos)
+
+    def mark_ready(self, room: int) -> None:
+        self.log.append(("ready", room))
+
+    def exists(self, room: int) -> bool:
+        return room in self.infos
+
+    def is_open(self, room: int) -> bool:
+        return room in self.infos
+
+    def set_decode_prefix_len(self, room: int, n: int) -> None:
+        pass
 
 
 def _registration(agent: str, port: int, compat: Compat = COMPAT) -> PeerRegistration:
@@ -124,9 +168,7 @@ def prefill() -> Iterator[tuple[PrefillControl, Any, list[tuple[str, Any]], list
             kv_item_len=0,
             attn_tp_rank=0,
             stage=PrefillStage(),
-            sglang=types.SimpleNamespace(
-                check_aux_count=lambda agent, n: None, rooms_with_destinations=lambda: []
-            ),
+            sglang=Tables(log),
             staging=None,
             staging_memory=None,
             device_uuid="",
@@ -139,11 +181,12 @@ def prefill() -> Iterator[tuple[PrefillControl, Any, list[tuple[str, Any]], list
             late_warmups=0,
             rooms=PrefillRooms(),
             note_early_abort=lambda room, reason: log.append(("early_abort", room)) or False,
-            fail_rooms_of_peer=lambda agent, reason: None,
+            fail_rooms_of_peer=lambda agent, reason: log.append(("fail_peer", reason)),
             unlink=lambda link: None,
         )
         ctx.engine = HeldWarmEngine()
-        ctl = PrefillControl(ctx, wake=lambda room: None, recall=lambda room: None)
+        wake = lambda room: log.append(("wake", room))  # noqa: E731
+        ctl = PrefillControl(ctx, wake=wake, recall=lambda room: None)
         ctl.start()
         try:
             yield ctl, push, log, decode_ports
@@ -399,3 +442,50 @@ def test_with_every_chunk_to_be_staged_the_buffer_is_taken_in_the_set_up(prefill
     (reply,) = _replies(log)
     assert reply.accepted and reply.wants_staging and ctl.ctx.staging is not None
     assert not ctl.ctx.peers.accepted["decode-a"].may_stage
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_request_during_the_link_is_filed_at_once_and_its_worker_woken_after(prefill, refused):
+    """SGLang's prefill starts a request's forward pass only once it is filed. A learned
+    decode's first requests come while its link is set up (NIXL's connect, the one-pass
+    mapping: ~0.1 s on an H100): each is checked against the bounds the link will have
+    and filed at once, its abort handled at once; a request out of those bounds is refused
+    to its sender. When the setup ends the rooms' workers are woken (their chunks waited
+    for the link); a setup that refuses the decode fails those rooms with its reason."""
+    ctl, push, log, (port_a, _) = prefill
+    codec, engine = ctl.ctx.codec, ctl.ctx.engine
+    engine.refuse = "a layout this prefill cannot serve" if refused else ""
+    engine.link_release.clear()
+    engine.release.set()
+    reg = _registration("decode-a", port_a)
+    push.send_multipart(codec.encode(reg))
+    assert engine.linking.wait(BOUND_S), log
+
+    def request(room: int, pages: list[int]) -> list[Any]:
+        kv = np.array(pages, dtype=np.int32)
+        req = TransferRequest(room, "decode-a", "127.0.0.1", port_a, -1, 1, indices=index_specs(kv))
+        return codec.encode(req, [kv])
+
+    push.send_multipart(request(7, [1, 2, KV_PAGES - 1]))
+    push.send_multipart(request(8, [KV_PAGES]))  # beyond its pool
+    push.send_multipart(request(9, [3]))
+    push.send_multipart(codec.encode(Abort(9, "127.0.0.1", port_a)))
+    _until(log, "room 9's abort, at once", lambda m: m == 9)
+    assert [m for k, m in log if k == "ready"] == [7, 9]  # filed before the reply
+    assert not _replies(log) and "decode-a" in ctl.ctx.peers.pending
+    (status,) = [m for _, m in log if isinstance(m, TransferStatus)]
+    assert (status.room, status.status) == (8, 0) and "destination page" in status.reason
+    assert [k for k, _ in log if k == "wake"] == []
+
+    engine.link_release.set()
+    _until(log, "decode-a's reply", lambda m: isinstance(m, RegistrationReply))
+    _until(log, "the rooms' workers woken", lambda m: m == 9 and ("wake", 9) in log)
+    assert [m for k, m in log if k == "wake"] == [7, 9]
+    (reply,) = _replies(log)
+    assert reply.accepted is not refused and not ctl.ctx.peers.pending
+    failed = [m for k, m in log if k == "fail_peer"]
+    if refused:
+        assert "decode-a" in ctl.ctx.peers.refused
+        assert failed == [f"decode decode-a: {reply.reason}"] and engine.refuse in reply.reason
+    else:
+        assert failed == [] and "decode-a" in ctl.ctx.peers.accepted

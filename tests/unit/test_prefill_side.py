@@ -809,3 +809,87 @@ def test_no_notes_for_a_decode_that_does_not_count_them_nor_a_total_after_a_stag
     side.worker.submit(Chunk(ROOM + 1, np.arange(4), slice(0, 4), True, 2, None))
     got = [decode_note(n) for n in side.engine.notes]
     assert got == [Note(ROOM + 1, 0, 1, 0), Note(ROOM + 1, 0, 2, 0)]
+
+
+PENDING = "decode-p"
+
+
+def _pending_request(side, room: int, pages: list[int]) -> None:
+    """A request of ``PENDING`` (a decode whose link is being set up: 8 pages) filed."""
+    from sgl_nixl_plugin.sides.prefill_requests import file_request
+    from sgl_nixl_plugin.wire.messages import TransferRequest
+
+    req = TransferRequest(room, PENDING, "127.0.0.1", 7003, -1, 1)
+    registrations = SimpleNamespace(reply=lambda *a, **k: None)
+    kv = np.array(pages, dtype=np.int32)
+    file_request(side.ctx, registrations, req, kv, [])  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def setting_up(side):
+    """``side`` with decode ``PENDING`` being set up (its link not made yet)."""
+    from sgl_nixl_plugin.engine.engine import GroupBounds
+    from sgl_nixl_plugin.protocol.peers import PendingDecode
+
+    side.ctx.peers.pending[PENDING] = PendingDecode(None, {"kv": GroupBounds(8)})  # type: ignore[arg-type]
+    return side
+
+
+def _end_setup(side, accepted: bool) -> None:
+    """The control thread's verdict on ``PENDING`` (``DecodeRegistrations._accept``)."""
+    with side.ctx.peers.lock:
+        del side.ctx.peers.pending[PENDING]
+        if accepted:
+            link = SimpleNamespace(name=PENDING, groups={}, one_pass=None)
+            side.ctx.peers.accepted[PENDING] = DecodePeer(PENDING, link, None, ("127.0.0.1", 7003))
+        else:
+            side.ctx.peers.refused[PENDING] = "a layout this prefill cannot serve"
+
+
+@pytest.mark.parametrize("accepted", [True, False])
+def test_a_room_filed_while_its_decode_is_set_up_waits_for_the_link(setting_up, accepted):
+    """Its request is filed at once (SGLang's forward pass starts); its chunks wait,
+    counting nothing in flight, until the setup ends: then they go, or fail the room with
+    the refusal. A request beyond the pool it registered is refused to its sender."""
+    side = setting_up
+    _pending_request(side, 50, [1, 2, 7])
+    _pending_request(side, 51, [8])
+    assert side.sg.status[50] == OPEN and 51 not in side.sg.status
+    ep, status = side.ctx.transport.sent[-1]
+    assert status.room == 51 and "destination page" in status.reason
+    assert side.ctx.peers.pending[PENDING].rooms == {50}
+    side.worker.submit(_chunk(50, n=2, last=False))
+    side.worker.submit(_chunk(50, start=2, n=1, last=True))
+    assert side.engine.posted == [] and len(side.worker.parked) == 2
+    assert 50 not in side.sg.outstanding and not side.worker.active
+    side.worker._unpark()  # woken early: still set up, the chunks wait again, in order
+    assert side.engine.posted == [] and [c.index_slice.start for c in side.worker.parked] == [0, 2]
+
+    _end_setup(side, accepted)
+    side.worker._unpark()
+    assert side.worker.parked == []
+    if not accepted:
+        assert side.engine.posted == []
+        assert side.sg.concluded == [
+            (50, f"failed: decode {PENDING} was refused: a layout this prefill cannot serve")
+        ]
+        _drained(side, 50)
+        return
+    assert len(side.engine.posted) == 2 and side.sg.outstanding[50] == 2
+    for x in side.engine.posted:
+        x.state = "DONE"
+    side.worker.poll()
+    assert side.sg.concluded == [(50, "success")]
+    _drained(side, 50)
+
+
+def test_a_parked_chunk_of_a_room_cleared_meanwhile_is_dropped(setting_up):
+    side = setting_up
+    _pending_request(side, 50, [1])
+    side.worker.submit(_chunk(50, n=1))
+    side.sg.clear(50)  # SGLang gave the request up while the link was being set up
+    side.ctx.rooms.release(50)
+    _end_setup(side, accepted=True)
+    side.worker._unpark()
+    assert side.worker.parked == [] and side.engine.posted == [] and side.sg.concluded == []
+    _drained(side, 50)
