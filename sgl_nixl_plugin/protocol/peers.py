@@ -41,6 +41,9 @@ class PendingDecode:
     reg: PeerRegistration
     bounds: dict[str, GroupBounds]
     rooms: set[int] = field(default_factory=set)
+    # the staging slots each staged request granted: its room's credits, should the
+    # setup accept the decode for staged transfers
+    slots: dict[int, list[int]] = field(default_factory=dict)
 
 
 class DecodePeers:

@@ -18,6 +18,7 @@ import msgspec
 
 from sgl_nixl_plugin.engine.agent import TransferError
 from sgl_nixl_plugin.engine.engine import Memory, PeerLink
+from sgl_nixl_plugin.protocol.credits import SlotCredits
 from sgl_nixl_plugin.protocol.peers import DecodePeer, PendingDecode
 from sgl_nixl_plugin.sides.context import PrefillContext
 from sgl_nixl_plugin.sides.memory import decode_heads, kv_geometry, remote_memory
@@ -104,7 +105,7 @@ class DecodeRegistrations:
         filed here. Anything else waits for the setup, in arrival order."""
         if isinstance(msg, Abort):
             return self.ctx.rooms.get(msg.room) is not None
-        if not isinstance(msg, TransferRequest) or msg.staged:
+        if not isinstance(msg, TransferRequest):
             return False
         with self.ctx.peers.lock:
             return msg.agent_name in self.ctx.peers.pending
@@ -409,8 +410,14 @@ class DecodeRegistrations:
         decode (their chunks cannot go), and their workers woken to post or drop them."""
         if pending is None or not pending.rooms:
             return
+        ctx = self.ctx
         if reason:
-            self.ctx.fail_rooms_of_peer(agent, f"decode {agent}: {reason}")
+            ctx.fail_rooms_of_peer(agent, f"decode {agent}: {reason}")
+        peer = ctx.peers.get(agent)
+        if peer is not None and peer.staging_slot_bytes:  # staged: the slots it granted
+            for room, slots in pending.slots.items():
+                if (rec := ctx.rooms.get(room)) is not None:
+                    rec.credits[agent] = SlotCredits(slots)
         for room in sorted(pending.rooms):
             self.wake(room)
 

@@ -55,25 +55,7 @@ def file_request(
     # checked against the link, or, while it is set up, the bounds it will have
     groups: Mapping[str, Any] = peer.link.groups if peer is not None else pending.bounds  # type: ignore[union-attr]
     kv = np.empty(0, np.int32) if kv is None else kv
-    problem = None
-    if not req.is_dummy:
-        prefix, where = (HOST, "host ") if req.host else ("", "")
-        kv_group = groups.get(f"{prefix}kv")
-        if kv_group is None and req.host:
-            problem = "a host destination, but the decode registered no host KV pool"
-        else:
-            problem = validate_items(
-                kv, kv_group.remote_pages if kv_group else 0, f"{where}destination page"
-            )
-            if problem is None and kv_group is not None and kv_group.by_token:
-                problem = _prefix_misaligned(req.decode_prefix_len, kv_group.page_tokens)
-        aux_group = groups.get("aux")
-        if problem is None and req.aux_index >= 0 and aux_group is not None:
-            problem = validate_items(np.array([req.aux_index]), aux_group.remote_items, "aux row")
-        for i, s in enumerate(state):
-            g = groups.get(f"{prefix}state{i}")
-            if problem is None and len(s):
-                problem = validate_items(s, g.remote_items if g else 0, f"{where}state[{i}]")
+    problem = None if req.is_dummy else _out_of_bounds(req, groups, kv, state)
     if problem is not None:
         ctx.reject("index_out_of_range", f"room {room}: {problem}", req.agent_name)
         # Only the sender of the bad request is told: a forged request must not be able
@@ -104,6 +86,8 @@ def file_request(
     if pending is not None:
         with ctx.peers.lock:
             pending.rooms.add(room)  # its chunks wait for the link; woken when it is set up
+            if req.staged and not req.is_dummy:
+                pending.slots[room] = list(req.staging_slots)
     elif req.staged and not req.is_dummy and peer is not None and peer.staging_slot_bytes:
         rec.credits[req.agent_name] = SlotCredits(req.staging_slots)
     if req.decode_prefix_len:
@@ -111,6 +95,30 @@ def file_request(
     if count >= req.required_dst_info_num:
         rec.ready_at = time.perf_counter()
         sg.mark_ready(room)
+
+
+def _out_of_bounds(
+    req: TransferRequest, groups: Mapping[str, Any], kv: np.ndarray, state: list[np.ndarray]
+) -> str | None:
+    """What in the request lies outside the decode's pools (``groups``: each group's
+    ``remote_pages``/``remote_items``, a link's or the bounds it will have), or None."""
+    prefix, where = (HOST, "host ") if req.host else ("", "")
+    kv_group = groups.get(f"{prefix}kv")
+    if kv_group is None and req.host:
+        return "a host destination, but the decode registered no host KV pool"
+    problem = validate_items(
+        kv, kv_group.remote_pages if kv_group else 0, f"{where}destination page"
+    )
+    if problem is None and kv_group is not None and kv_group.by_token:
+        problem = _prefix_misaligned(req.decode_prefix_len, kv_group.page_tokens)
+    aux_group = groups.get("aux")
+    if problem is None and req.aux_index >= 0 and aux_group is not None:
+        problem = validate_items(np.array([req.aux_index]), aux_group.remote_items, "aux row")
+    for i, s in enumerate(state):
+        g = groups.get(f"{prefix}state{i}")
+        if problem is None and len(s):
+            problem = validate_items(s, g.remote_items if g else 0, f"{where}state[{i}]")
+    return problem
 
 
 def _prefix_misaligned(prefix: int | None, page_tokens: tuple[int, int]) -> str | None:

@@ -893,3 +893,29 @@ def test_a_parked_chunk_of_a_room_cleared_meanwhile_is_dropped(setting_up):
     side.worker._unpark()
     assert side.worker.parked == [] and side.engine.posted == [] and side.sg.concluded == []
     _drained(side, 50)
+
+
+@pytest.mark.parametrize("stages", [True, False])
+def test_a_staged_request_filed_during_the_setup_gets_its_credits_once_accepted(setting_up, stages):
+    """A decode offers staging in its first requests before the prefill has said whether
+    it stages to it: the slots a request granted become its room's credits when the setup
+    accepts the decode for staged transfers (as a request filed after it), none otherwise."""
+    from sgl_nixl_plugin.sides.decode_registrations import DecodeRegistrations
+    from sgl_nixl_plugin.sides.prefill_requests import file_request
+    from sgl_nixl_plugin.wire.messages import TransferRequest
+
+    side = setting_up
+    req = TransferRequest(52, PENDING, "127.0.0.1", 7003, -1, 1, staged=True, staging_slots=[3, 4])
+    regs = DecodeRegistrations(side.ctx, lambda: None, wake=lambda room: woken.append(room))
+    woken: list[int] = []
+    file_request(side.ctx, regs, req, np.array([1, 2], dtype=np.int32), [])
+    pending = side.ctx.peers.pending[PENDING]
+    assert side.sg.status[52] == OPEN and pending.slots == {52: [3, 4]}
+    assert side.ctx.rooms.get(52).credits == {}
+    _end_setup(side, accepted=True)
+    staging = SimpleNamespace(slot_bytes=1 << 20) if stages else None
+    side.ctx.peers.accepted[PENDING].staging = staging
+    regs._settle_early(PENDING, pending, "")
+    credits = side.ctx.rooms.get(52).credits
+    assert woken == [52]
+    assert list(credits) == ([PENDING] if stages else [])
