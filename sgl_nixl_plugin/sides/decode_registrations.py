@@ -439,10 +439,16 @@ class DecodeRegistrations:
         self.ctx.unlink(peer.link)
 
     def drop(self, agent: str, why: str) -> None:
+        """The decode is gone: its rooms fail and its link goes; one still being set up
+        has only its rooms filed meanwhile to fail (its setup's verdict comes later)."""
         with self.ctx.peers.lock:
             peer = self.ctx.peers.accepted.get(agent)
             if peer is not None:
                 self._drop_locked(peer, why)
+                return
+            pending = self.ctx.peers.pending.get(agent)
+        if pending is not None and pending.rooms:
+            self.ctx.fail_rooms_of_peer(agent, f"decode {agent}: {why}")
 
 
 def in_window(remote: Memory, window: tuple[int, ...] | None) -> Memory:

@@ -919,3 +919,20 @@ def test_a_staged_request_filed_during_the_setup_gets_its_credits_once_accepted(
     credits = side.ctx.rooms.get(52).credits
     assert woken == [52]
     assert list(credits) == ([PENDING] if stages else [])
+
+
+def test_a_decode_lost_during_its_setup_fails_the_rooms_filed_meanwhile(setting_up):
+    """Its process closed its connection while its link was being set up: the rooms it
+    got filed fail now with that reason, not once the setup ends and WRITEs go to it."""
+    from sgl_nixl_plugin.sides.decode_registrations import DecodeRegistrations
+
+    side = setting_up
+    _pending_request(side, 50, [1])
+    side.worker.submit(_chunk(50, n=1))
+    regs = DecodeRegistrations(side.ctx, lambda: None)
+    regs.drop(PENDING, "closed its connection")
+    assert side.sg.concluded == [(50, f"failed: decode {PENDING}: closed its connection")]
+    _end_setup(side, accepted=True)  # the setup's verdict comes after
+    side.worker._unpark()
+    assert side.engine.posted == [] and side.sg.concluded[1:] == []
+    _drained(side, 50)
