@@ -201,7 +201,8 @@ class DecodeRegistrations:
         try:
             remote, _ = self._remote_of(reg, pages)
             bounds = ctx.engine.bounds(remote, pages)
-        except ValueError:  # the setup refuses it: its requests wait for the verdict
+        except Exception as exc:  # the setup will say what is wrong; till then they wait
+            logger.debug("sgl-nixl: decode %s: no bounds before its link: %r", reg.agent_name, exc)
             bounds = None
         if bounds is not None:
             with peers.lock:
