@@ -79,8 +79,25 @@ class _Side:
     offsets: np.ndarray
 
 
+class _Bounds:
+    """The bounds a peer's indices are checked against, for ``GroupLink`` and
+    ``GroupBounds``: items of its smallest region, and (local, remote) tokens a page."""
+
+    remote_items: int
+    page_tokens: tuple[int, int]
+
+    @property
+    def by_token(self) -> bool:
+        return self.page_tokens != (0, 0)
+
+    @property
+    def remote_pages(self) -> int:
+        """The bound for the peer's page indices (its requests name pages, not tokens)."""
+        return self.remote_items // self.page_tokens[1] if self.by_token else self.remote_items
+
+
 @dataclass
-class GroupLink:
+class GroupLink(_Bounds):
     """One buffer group (kv, aux, stateN) between us and a peer."""
 
     geometry: Geometry
@@ -94,15 +111,6 @@ class GroupLink:
     # and chunks are paired token by token (``items_of``); (0, 0): items are pages
     page_tokens: tuple[int, int] = (0, 0)
     local_regions: RegionSet | None = None  # the local buffers as this link addresses them
-
-    @property
-    def by_token(self) -> bool:
-        return self.page_tokens != (0, 0)
-
-    @property
-    def remote_pages(self) -> int:
-        """The bound for the peer's page indices (its requests name pages, not tokens)."""
-        return self.remote_items // self.page_tokens[1] if self.by_token else self.remote_items
 
     def items_of(
         self, pages: np.ndarray, dst_pages: np.ndarray, index_slice: slice, tokens: int | None
@@ -131,20 +139,12 @@ class GroupLink:
 
 
 @dataclass(frozen=True)
-class GroupBounds:
+class GroupBounds(_Bounds):
     """What a peer's transfer request is checked against before its link exists: the
     bounds of one of its groups as the link will address it (``TransferEngine.bounds``)."""
 
     remote_items: int
     page_tokens: tuple[int, int] = (0, 0)
-
-    @property
-    def by_token(self) -> bool:
-        return self.page_tokens != (0, 0)
-
-    @property
-    def remote_pages(self) -> int:
-        return self.remote_items // self.page_tokens[1] if self.by_token else self.remote_items
 
 
 @dataclass
