@@ -82,7 +82,7 @@ class DecodeRegistrations:
         # decodes being set up: agent -> control endpoint
         self.setting_up: dict[str, tuple[str, int]] = {}
         # decodes being set up whose first request already waits: a warm-up would only
-        # delay it (``_warm``); written by the control thread, read by the setup thread
+        # delay it (``PeerWarmup.before_reply``); written by the control thread, read by the setup thread
         self.request_waits: set[str] = set()
         self.setup = SetupThread("sgl-nixl-prefill-setup", interrupt)
         self.warmup = PeerWarmup(ctx, self.setup)
