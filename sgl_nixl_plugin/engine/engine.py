@@ -11,21 +11,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from sgl_nixl_plugin.engine.agent import Agent, AgentSettings, TransferError, Xfer
 from sgl_nixl_plugin.engine.descriptors import (
     expected_descriptors,
-    paired_tokens,
     region_offsets,
     unit_indices,
 )
 from sgl_nixl_plugin.engine.layout import Geometry, RegionSet
-from sgl_nixl_plugin.engine.one_pass import KernelXfer, OnePassLink
+from sgl_nixl_plugin.engine.links import (
+    JOINT,
+    GroupBounds,
+    GroupLink,
+    PeerLink,
+    _Side,
+    joint_rows,
+)
+from sgl_nixl_plugin.engine.one_pass import KernelXfer
 from sgl_nixl_plugin.engine.staging import RemoteStaging, StagingBuffer
 
 logger = logging.getLogger(__name__)
@@ -71,97 +77,6 @@ def local_group(group: str) -> str:
     return group.removeprefix(HOST)
 
 
-@dataclass
-class _Side:
-    """A prepared list and where each region's units start in it."""
-
-    dlist: Any
-    offsets: np.ndarray
-
-
-class _Bounds:
-    """The bounds a peer's indices are checked against, for ``GroupLink`` and
-    ``GroupBounds``: items of its smallest region, and (local, remote) tokens a page."""
-
-    remote_items: int
-    page_tokens: tuple[int, int]
-
-    @property
-    def by_token(self) -> bool:
-        return self.page_tokens != (0, 0)
-
-    @property
-    def remote_pages(self) -> int:
-        """The bound for the peer's page indices (its requests name pages, not tokens)."""
-        return self.remote_items // self.page_tokens[1] if self.by_token else self.remote_items
-
-
-@dataclass
-class GroupLink(_Bounds):
-    """One buffer group (kv, aux, stateN) between us and a peer."""
-
-    geometry: Geometry
-    local: _Side
-    remote: _Side
-    unit_bytes: int  # bytes moved per item across all regions
-    num_regions: int
-    remote_items: int  # smallest destination region, in items: the bound for indices
-    local_items: int
-    # (local, remote) tokens a page when the sides' pages differ: items are token rows
-    # and chunks are paired token by token (``items_of``); (0, 0): items are pages
-    page_tokens: tuple[int, int] = (0, 0)
-    local_regions: RegionSet | None = None  # the local buffers as this link addresses them
-
-    def items_of(
-        self, pages: np.ndarray, dst_pages: np.ndarray, index_slice: slice, tokens: int | None
-    ) -> tuple[np.ndarray, np.ndarray, int]:
-        """Source items, destination items and the first destination item's position in
-        the request, for a chunk of source ``pages`` at ``index_slice`` of the request's
-        destination ``dst_pages`` (pages, or token rows when the page sizes differ).
-        A ``TransferError`` says what the peer got wrong ("gave ...")."""
-        if not self.by_token:
-            dst = dst_pages[index_slice]
-            if len(dst) != len(pages):
-                raise TransferError(
-                    f"gave {len(dst_pages)} pages, prefill sends {index_slice.stop} (chunk "
-                    f"{index_slice.start}:{index_slice.stop}): page counts disagree"
-                )
-            return pages, dst, int(index_slice.start)
-        first = int(index_slice.start) * self.page_tokens[0]
-        try:
-            src, dst = paired_tokens(pages, dst_pages, first, tokens, self.page_tokens)
-        except ValueError as exc:
-            raise TransferError(
-                f"gave pages of {self.page_tokens[1]} tokens for pages of "
-                f"{self.page_tokens[0]}: {exc}"
-            ) from exc
-        return src, dst, first
-
-
-@dataclass(frozen=True)
-class GroupBounds(_Bounds):
-    """What a peer's transfer request is checked against before its link exists: the
-    bounds of one of its groups as the link will address it (``TransferEngine.bounds``)."""
-
-    remote_items: int
-    page_tokens: tuple[int, int] = (0, 0)
-
-
-@dataclass
-class PeerLink:
-    """Everything prepared for WRITEs to one remote agent."""
-
-    name: str
-    groups: dict[str, GroupLink] = field(default_factory=dict)
-    # the peer's KV pool mapped through CUDA IPC, when our GPU can reach it (``one_pass``)
-    one_pass: OnePassLink | None = None
-    # set by ``unlink``: WRITEs are posted under ``lock`` and refused once it is set, so a
-    # WRITE never uses a released list, and one the worker posts after the peer was
-    # dropped fails instead of posting nothing (a room could then end Success, unwritten)
-    closed: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-
 class TransferEngine:
     """Owns the agent and the local memory; builds links and posts WRITEs."""
 
@@ -179,7 +94,9 @@ class TransferEngine:
         ``Agent``."""
         self.agent = Agent(config, name, progress_thread, prewarm)
         self.memory = memory
-        self._local_lists: dict[tuple[str, Geometry, tuple[int, ...]], _Side] = {}
+        # prepared local lists, shared by every link: one side per group (several where a
+        # list is ``joint``)
+        self._local_lists: dict[tuple, tuple[_Side, ...]] = {}
         self._lock = threading.Lock()
         for regions in memory.groups().values():
             self.agent.register(regions)
@@ -204,9 +121,9 @@ class TransferEngine:
             side = self._local_lists.get(key)
             if side is None:
                 dlist = self.agent.prep(None, geometry.strided(regions, "src"), regions.mem_kind)
-                side = _Side(dlist, region_offsets(geometry.unit_counts(regions)))
+                side = (_Side(dlist, region_offsets(geometry.unit_counts(regions))),)
                 self._local_lists[key] = side
-            return side
+            return side[0]
 
     def link(
         self,
@@ -220,24 +137,39 @@ class TransferEngine:
 
         ``page_tokens`` = (local, remote) tokens a page: when they differ, the KV groups are
         prepared per token row (``RegionSet.per_token``) and ``geometries['kv']`` speaks of
-        token rows; chunks are then paired token by token (``GroupLink.items_of``)."""
+        token rows; chunks are then paired token by token (``GroupLink.items_of``).
+        The ``JOINT`` groups share one list per side where they can (``_joint_sides``)."""
         name = self.agent.add_peer(metadata)
         link = PeerLink(name)
         local_groups = self.memory.groups()
+        joint: dict[str, tuple[_Side, _Side]] = {}
         try:
-            for group, mine, local, theirs, tokens in self._paired(remote, page_tokens):
-                n = len(theirs)
-                geo = (geometries or {}).get(mine, Geometry.whole_items())
+            plans = [
+                (*p, (geometries or {}).get(p[1], Geometry.whole_items()))
+                for p in self._paired(remote, page_tokens)
+            ]
+            for group, _, local, theirs, _, geo in plans:
                 if geo.is_whole_items and local.item_lens != theirs.item_lens:
                     raise TransferError(
                         f"{group} item sizes differ: local {local.item_lens[:4]}..., "
                         f"peer {theirs.item_lens[:4]}..."
                     )
-                rows = geo.strided(theirs, "dst")
-                remote_side = _Side(
-                    self.agent.prep(name, rows, theirs.mem_kind),
-                    region_offsets(geo.unit_counts(theirs)),
-                )
+            whole = {p[0] for p in plans if len(p[2]) == len(local_groups[p[1]])}
+            joint = self._joint_sides(name, [p for p in plans if p[0] in whole])
+            for group, mine, local, theirs, tokens, geo in plans:
+                n = len(theirs)
+                if group in joint:
+                    local_side, remote_side = joint[group]
+                else:
+                    remote_side = _Side(
+                        self.agent.prep(name, geo.strided(theirs, "dst"), theirs.mem_kind),
+                        region_offsets(geo.unit_counts(theirs)),
+                    )
+                    local_side = (
+                        self._local_side(mine, geo, local)
+                        if group in whole
+                        else self._prep_local_prefix(mine, local, geo)
+                    )
                 unit = (
                     sum(local.item_lens)
                     if geo.is_whole_items
@@ -245,9 +177,7 @@ class TransferEngine:
                 )
                 link.groups[group] = GroupLink(
                     geometry=geo,
-                    local=self._local_side(mine, geo, local)
-                    if n == len(local_groups[mine])
-                    else self._prep_local_prefix(mine, local, geo),
+                    local=local_side,
                     remote=remote_side,
                     unit_bytes=unit,
                     num_regions=n,
@@ -258,8 +188,35 @@ class TransferEngine:
                 )
         except Exception:
             self.unlink(link)
+            for _, remote_side in joint.values():
+                self.agent.release_dlist(remote_side.dlist)  # a no-op once released
             raise
         return link
+
+    def _joint_sides(self, name: str, plans: list[tuple]) -> dict[str, tuple[_Side, _Side]]:
+        """(local, remote) sides of the ``JOINT`` groups in one prepared list per side, when
+        ``plans`` (whole lists only) has each and each side holds them in one memory kind
+        (DRAM pools; on a GPU host the KV is VRAM and the aux rows DRAM); else none."""
+        by_group = {p[0]: p for p in plans}
+        parts = [by_group.get(g) for g in JOINT]
+        if any(p is None for p in parts):
+            return {}
+        if len({p[2].mem_kind for p in parts}) > 1 or len({p[3].mem_kind for p in parts}) > 1:
+            return {}
+        rows, offsets = joint_rows([(p[5], p[3]) for p in parts], "dst")
+        remote = self.agent.prep(name, rows, parts[0][3].mem_kind)
+        key = (JOINT, *((p[5], p[2].item_lens) for p in parts))
+        with self._lock:
+            local = self._local_lists.get(key)
+            if local is None:
+                lrows, loffs = joint_rows([(p[5], p[2]) for p in parts], "src")
+                dlist = self.agent.prep(None, lrows, parts[0][2].mem_kind)
+                local = tuple(_Side(dlist, o) for o in loffs)
+                self._local_lists[key] = local
+        return {
+            p[0]: (local_side, _Side(remote, o))
+            for p, local_side, o in zip(parts, local, offsets, strict=True)
+        }
 
     def _paired(
         self, remote: Memory, page_tokens: tuple[int, int] | None
@@ -303,7 +260,7 @@ class TransferEngine:
         the last one-pass copy into it finished."""
         if link.one_pass is not None:
             link.one_pass.close()
-        local_shared = {id(s.dlist) for s in self._local_lists.values()}
+        local_shared = {id(s.dlist) for sides in self._local_lists.values() for s in sides}
         with link.lock:  # after any WRITE being posted on it; none after
             link.closed = True
             for g in link.groups.values():
@@ -325,25 +282,51 @@ class TransferEngine:
         """Post one WRITE of items ``src`` (local) into items ``dst`` (peer); None if empty
         or the peer has no such group. Raises ``TransferError`` once the link is closed.
         ``warmup``: counted as a warm-up (``agent.WARMUP``), not a request's WRITE."""
+        return self.write_parts(link, [(group, src, dst)], notif, warmup)
+
+    def write_parts(
+        self,
+        link: PeerLink,
+        parts: Sequence[tuple[str, np.ndarray, np.ndarray]],
+        notif: bytes = b"",
+        warmup: bool = False,
+    ) -> Xfer | None:
+        """``write`` of several groups' (group, src, dst) in one WRITE: the groups must
+        share their lists (``PeerLink.shares``); parts of a group the peer lacks, or
+        empty, are left out (None if nothing is left)."""
         with link.lock:
             if link.closed:
                 raise TransferError(f"decode {link.name} was dropped: its link is closed")
-            g = link.groups.get(group)
-            if g is None or len(src) == 0:
+            lidx, ridx, nbytes, descriptors, first = [], [], 0, 0, None
+            for group, src, dst in parts:
+                g = link.groups.get(group)
+                if g is None or len(src) == 0:
+                    continue
+                if len(src) != len(dst):
+                    raise TransferError(
+                        f"{group}: {len(src)} source items for {len(dst)} destinations"
+                    )
+                first = first or g
+                if (
+                    g.local.dlist is not first.local.dlist
+                    or g.remote.dlist is not first.remote.dlist
+                ):
+                    raise ValueError(f"{group} does not share its lists with the other parts")
+                upp = g.geometry.units_per_item
+                lidx.append(unit_indices(src, g.local.offsets[: g.num_regions], upp))
+                ridx.append(unit_indices(dst, g.remote.offsets[: g.num_regions], upp))
+                nbytes += g.unit_bytes * len(src)
+                descriptors += expected_descriptors(src, dst, g.num_regions, g.geometry)
+            if first is None:
                 return None
-            if len(src) != len(dst):
-                raise TransferError(f"{group}: {len(src)} source items for {len(dst)} destinations")
-            upp = g.geometry.units_per_item
-            lidx = unit_indices(src, g.local.offsets[: g.num_regions], upp)
-            ridx = unit_indices(dst, g.remote.offsets[: g.num_regions], upp)
             return self.agent.write(
-                g.local.dlist,
-                lidx,
-                g.remote.dlist,
-                ridx,
+                first.local.dlist,
+                lidx[0] if len(lidx) == 1 else np.concatenate(lidx),
+                first.remote.dlist,
+                ridx[0] if len(ridx) == 1 else np.concatenate(ridx),
                 peer=link.name,
-                nbytes=g.unit_bytes * len(src),
-                descriptors=expected_descriptors(src, dst, g.num_regions, g.geometry),
+                nbytes=nbytes,
+                descriptors=descriptors,
                 notif=notif,
                 warmup=warmup,
             )

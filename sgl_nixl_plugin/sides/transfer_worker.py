@@ -300,10 +300,10 @@ class TransferWorker:
         scheduler then ends the room as that WRITE lands, not after the status message (a
         note that does not go, its WRITE not posted, leaves the room to the status)."""
         engine = self.ctx.engine
-        writes = [w for w in writes if isinstance(w, Exception) or len(w[1])]
+        posts = _joined([w for w in writes if isinstance(w, Exception) or len(w[1])], link)
         noted = info.notes and link.one_pass is None
-        ends = ends and not any(isinstance(w, Exception) for w in writes)
-        for i, w in enumerate(writes):
+        ends = ends and not any(isinstance(w, Exception) for w in posts)
+        for i, w in enumerate(posts):
             if isinstance(w, Exception):
                 raise w
             if not rec.phase.sends:
@@ -311,9 +311,9 @@ class TransferWorker:
             note = b""
             if noted:
                 n = rec.notes[info.agent] = rec.notes.get(info.agent, 0) + 1
-                last = ends and i == len(writes) - 1 and info.agent not in rec.staged_to
+                last = ends and i == len(posts) - 1 and info.agent not in rec.staged_to
                 note = encode_note(rec.room, self.ctx.me.rank, n, n if last else 0)
-            self._track(rec, engine.write(link, *w, notif=note))
+            self._track(rec, engine.write_parts(link, w, notif=note))
 
     def _track(self, rec: PrefillRoom, x: Any) -> None:
         if x is None:
@@ -435,3 +435,21 @@ class TransferWorker:
                     )
         rec.flags_due = {}
         self._feed(rec, Settled())  # the flags owed
+
+
+def _joined(writes: list, link: Any) -> list:
+    """``writes`` as posts: consecutive (group, src, dst) whose groups share their lists
+    (``PeerLink.shares``: the KV chunk and aux row on a DRAM host) in one list, one WRITE
+    each; an exception stays in its place."""
+    posts: list = []
+    for w in writes:
+        last = posts[-1] if posts else None
+        if (
+            not isinstance(w, Exception)
+            and isinstance(last, list)
+            and link.shares(last[-1][0], w[0])
+        ):
+            last.append(w)
+        else:
+            posts.append(w if isinstance(w, Exception) else [w])
+    return posts

@@ -229,6 +229,36 @@ def test_aux_rows_and_state_group(pairs: dict[int, Pair]) -> None:
     assert_landed(pair, "kv", np.array([], np.int64), np.array([], np.int64))  # untouched
 
 
+def test_kv_pages_and_an_aux_row_in_one_write_land_byte_exact_with_one_note(
+    pairs: dict[int, Pair],
+) -> None:
+    """KV and aux rows both in DRAM on both sides: the link prepares them in one list per
+    side, so a room's last KV chunk and its aux row go in one WRITE (one post, one note)."""
+    pair = pairs[16]
+    pair.peer.fill()
+    assert pair.link.shares("kv", "aux") and not pair.link.shares("kv", "state0")
+    rng = np.random.default_rng(21)
+    src, dst = rng.choice(POOL, 5, replace=False), rng.choice(POOL, 5, replace=False)
+    aux_src, aux_dst = np.array([3]), np.array([7])
+    tag = f"joint-{uuid.uuid4().hex[:6]}".encode()
+    live = pair.engine.agent.live
+    before = live["xfer"]
+    xfer = pair.engine.write_parts(pair.link, [("kv", src, dst), ("aux", aux_src, aux_dst)], tag)
+    assert xfer is not None and live["xfer"] == before + 1  # one NIXL request in flight
+    complete(pair.engine, [xfer])
+    assert_landed(pair, "kv", src, dst)
+    assert_landed(pair, "aux", aux_src, aux_dst)
+    assert_landed(pair, "state0", np.array([], np.int64), np.array([], np.int64))  # untouched
+    kv_item = 16 * TOKEN_BYTES
+    assert xfer.nbytes == 5 * REGIONS * kv_item + AUX.regions * AUX.item_bytes
+    want = expected_descriptors(src, dst, REGIONS, Geometry.whole_items()) + AUX.regions
+    assert xfer.descriptors == pair.engine.agent.telemetry(xfer)["descriptors"] == want
+    got = pair.peer.notifications(want=1, sender=pair.engine.name)
+    assert got.get(pair.engine.name, []) == [tag]
+    with pytest.raises(ValueError, match="does not share"):
+        pair.engine.write_parts(pair.link, [("kv", src, dst), ("state0", aux_src, aux_dst)])
+
+
 # -- head slices (different tensor-parallel sizes) -------------------------------------------
 
 TOKENS = 16  # the page-16 peer: 16 tokens x 64 bytes per page
@@ -306,6 +336,7 @@ def test_peer_with_fewer_regions_gets_a_prefix_list(
     engines.append(engine)
     link = engine.link(peer.metadata, peer.memory)
     assert link.groups["kv"].num_regions == REGIONS and link.groups["aux"].num_regions == 2
+    assert not link.shares("kv", "aux")  # prefixes of our lists: each in lists of its own
     src, dst = np.array([1, 2, 3, 9]), np.array([60, 61, 62, 0])
     xfers = [
         engine.write(link, "kv", src, dst),
@@ -452,7 +483,8 @@ def test_nothing_leaks_after_many_transfers(pairs: dict[int, Pair]) -> None:
         link = engine.link(peer.metadata, peer.memory)
         live = engine.agent.live
         assert live["registration"] == 3 and live["peer"] == 1
-        assert live["dlist"] == 6  # local and remote list of each of kv, aux, state0
+        # a local and a remote list for state0, and for kv and aux together (one each)
+        assert live["dlist"] == 4
         handles = set(engine.agent._dlists)
         rng = np.random.default_rng(1)
         for i in range(40):
@@ -473,9 +505,9 @@ def test_nothing_leaks_after_many_transfers(pairs: dict[int, Pair]) -> None:
             assert live["xfer"] == 0
         engine.unlink(link)
         assert live["peer"] == 0 and live["xfer"] == 0
-        assert live["dlist"] == 3  # our own (shared) lists stay until close
+        assert live["dlist"] == 2  # our own (shared) lists stay until close
         relinked = engine.link(peer.metadata, peer.memory)  # shared local lists are reused
-        assert live["dlist"] == 6 and live["peer"] == 1
+        assert live["dlist"] == 4 and live["peer"] == 1
         handles.update(g.remote.dlist for g in relinked.groups.values())
         engine.unlink(relinked)
     finally:

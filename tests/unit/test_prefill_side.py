@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from sgl_nixl_plugin.engine.agent import Xfer
+from sgl_nixl_plugin.engine.links import PeerLink
 from sgl_nixl_plugin.engine.one_pass import KernelXfer
 from sgl_nixl_plugin.protocol.peers import DecodePeer
 from sgl_nixl_plugin.protocol.prefill_rooms import Chunk, TransferInfo
@@ -117,6 +118,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.posted: list[Xfer] = []
         self.notes: list[bytes] = []  # each WRITE's notification, in posting order
+        self.groups: list[list[str]] = []  # the groups in each WRITE, in posting order
         self.memory = SimpleNamespace(kv=SimpleNamespace(ptrs=[0], lens=[1 << 20]))
         self.agent = SimpleNamespace(telemetry=lambda x: None, abandon=lambda x: None)
 
@@ -127,6 +129,14 @@ class FakeEngine:
         self.posted.append(x)
         self.notes.append(notif)
         return x
+
+    def write_parts(self, link: Any, parts: list, notif: bytes = b"") -> Xfer:
+        """The worker posts through this: one WRITE of ``parts`` (groups in ``groups``)."""
+        self.groups.append([p[0] for p in parts])
+        if len(parts) == 1:
+            return self.write(link, *parts[0], notif=notif)
+        src = np.concatenate([p[1] for p in parts])
+        return self.write(link, "+".join(p[0] for p in parts), src, src, notif=notif)
 
     def poll(self, x: Xfer) -> str:
         return x.state
@@ -158,7 +168,7 @@ def side():
         server_socket=None,
         mem_kind="DRAM",
     )
-    link = SimpleNamespace(name=AGENT, groups={}, one_pass=None)
+    link = PeerLink(AGENT)
     ctx.peers.accepted[AGENT] = DecodePeer(AGENT, link, None, ("127.0.0.1", 7001))
     worker = TransferWorker(ctx, 0)
     return SimpleNamespace(ctx=ctx, sg=sg, engine=engine, worker=worker)
@@ -513,7 +523,7 @@ class RecordingAgent:
 def _real_engine(side) -> tuple[Any, Any]:
     """Swap the fake engine for the real ``TransferEngine`` (over a recording agent) with
     one prepared KV group to the decode."""
-    from sgl_nixl_plugin.engine.engine import GroupLink, PeerLink, TransferEngine, _Side
+    from sgl_nixl_plugin.engine.engine import GroupLink, TransferEngine, _Side
     from sgl_nixl_plugin.engine.layout import Geometry
 
     engine = object.__new__(TransferEngine)
@@ -811,6 +821,41 @@ def test_no_notes_for_a_decode_that_does_not_count_them_nor_a_total_after_a_stag
     assert got == [Note(ROOM + 1, 0, 1, 0), Note(ROOM + 1, 0, 2, 0)]
 
 
+def test_a_rooms_last_chunk_and_aux_row_go_in_one_write_where_their_lists_are_shared(
+    side, monkeypatch
+):
+    """On a host whose KV and aux rows are in one memory kind the link prepares them in one
+    list per side (``PeerLink.shares``): the room's last KV chunk and its aux row are then
+    one WRITE with one note, the total on it; a group in lists of its own goes apart."""
+    from sgl_nixl_plugin.engine.engine import GroupLink, _Side
+    from sgl_nixl_plugin.engine.layout import Geometry
+
+    def group(local: object, remote: object) -> GroupLink:
+        z = np.zeros(1, dtype=np.int64)
+        return GroupLink(Geometry.whole_items(), _Side(local, z), _Side(remote, z), 64, 1, 8, 8)
+
+    link = side.ctx.peers.accepted[AGENT].link
+    kv_aux_local, kv_aux_remote = object(), object()
+    link.groups["kv"] = group(kv_aux_local, kv_aux_remote)
+    link.groups["aux"] = group(kv_aux_local, kv_aux_remote)
+    link.groups["state0"] = group(object(), object())
+    assert link.shares("kv", "aux") and not link.shares("kv", "state0")
+    monkeypatch.setattr(side.worker.staged, "job_for", lambda *a: None)  # direct WRITEs
+    info = TransferInfo(
+        ROOM, AGENT, "127.0.0.1", 7001, np.arange(4), 3, [np.array([5])], 1, False, notes=True
+    )
+    side.sg.add_destination(info)
+    side.ctx.rooms.open(ROOM)
+    side.sg.mark_ready(ROOM)
+    side.worker.submit(_chunk(n=2, last=False))
+    side.worker.submit(Chunk(ROOM, np.arange(2, 4), slice(2, 4), True, 2, [np.array([6])]))
+    notes = [decode_note(n) for n in side.engine.notes]
+    assert notes == [Note(ROOM, 0, 1, 0), Note(ROOM, 0, 2, 0), Note(ROOM, 0, 3, 3)]
+    assert side.engine.groups == [["kv"], ["kv", "aux"], ["state0"]]
+    link.groups["aux"] = group(object(), kv_aux_remote)  # shares the decode's list only
+    assert not link.shares("kv", "aux")
+
+
 PENDING = "decode-p"
 
 
@@ -840,7 +885,7 @@ def _end_setup(side, accepted: bool) -> None:
     with side.ctx.peers.lock:
         del side.ctx.peers.pending[PENDING]
         if accepted:
-            link = SimpleNamespace(name=PENDING, groups={}, one_pass=None)
+            link = PeerLink(PENDING)
             side.ctx.peers.accepted[PENDING] = DecodePeer(PENDING, link, None, ("127.0.0.1", 7003))
         else:
             side.ctx.peers.refused[PENDING] = "a layout this prefill cannot serve"
