@@ -203,16 +203,16 @@ class TransferEngine:
             return {}
         if len({p[2].mem_kind for p in parts}) > 1 or len({p[3].mem_kind for p in parts}) > 1:
             return {}
-        rows, offsets = joint_rows([(p[5], p[3]) for p in parts], "dst")
-        remote = self.agent.prep(name, rows, parts[0][3].mem_kind)
         key = (JOINT, *((p[5], p[2].item_lens) for p in parts))
-        with self._lock:
+        with self._lock:  # ours first: it stays (shared), so a failure below leaks nothing
             local = self._local_lists.get(key)
             if local is None:
                 lrows, loffs = joint_rows([(p[5], p[2]) for p in parts], "src")
                 dlist = self.agent.prep(None, lrows, parts[0][2].mem_kind)
                 local = tuple(_Side(dlist, o) for o in loffs)
                 self._local_lists[key] = local
+        rows, offsets = joint_rows([(p[5], p[3]) for p in parts], "dst")
+        remote = self.agent.prep(name, rows, parts[0][3].mem_kind)
         return {
             p[0]: (local_side, _Side(remote, o))
             for p, local_side, o in zip(parts, local, offsets, strict=True)

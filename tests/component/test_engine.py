@@ -259,6 +259,28 @@ def test_kv_pages_and_an_aux_row_in_one_write_land_byte_exact_with_one_note(
         pair.engine.write_parts(pair.link, [("kv", src, dst), ("state0", aux_src, aux_dst)])
 
 
+def test_a_link_that_fails_while_preparing_leaves_no_list_and_no_peer(
+    pairs: dict[int, Pair], engines: list[TransferEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our own (joint) list cannot be prepared: the link fails and holds nothing of the
+    peer's, neither a prepared list nor the NIXL peer."""
+    peer = pairs[16].peer
+    _, memory = allocate(kv_spec(16, aux=AUX, state=(STATE,)), seed=5)
+    engine = TransferEngine(AgentConfig(), memory)
+    engines.append(engine)
+    real_prep = engine.agent.prep
+
+    def prep(name: str | None, rows: np.ndarray, mem_kind: str) -> object:
+        if name is None:
+            raise TransferError("no memory for our list")
+        return real_prep(name, rows, mem_kind)
+
+    monkeypatch.setattr(engine.agent, "prep", prep)
+    with pytest.raises(TransferError, match="no memory for our list"):
+        engine.link(peer.metadata, peer.memory)
+    assert engine.agent.live["dlist"] == 0 and engine.agent.live["peer"] == 0
+
+
 # -- head slices (different tensor-parallel sizes) -------------------------------------------
 
 TOKENS = 16  # the page-16 peer: 16 tokens x 64 bytes per page
