@@ -31,10 +31,14 @@ logger = logging.getLogger(__name__)
 # Cost model behind the automatic path choice (see ``choose_path``), per memory kind, from
 # our measurements (docs/benchmarks.md): seconds per posted descriptor (cuda_ipc ~13 µs; UCX
 # on host memory ~2.5 µs), bytes/s of one gather or scatter pass (Triton ~2 TB/s on an H200;
-# numpy ~4 GB/s on a small host), and the fixed host cost of one staged piece.
+# numpy ~4 GB/s on a small host), the fixed host cost of one staged piece, and what a staged
+# request costs beyond a direct one whatever its size: on host memory its slot grant, piece
+# notices and the decode's scatter thread add ~1.4 ms of Python and wake-ups (page 1 on the
+# 2-core CPU host: staged 2.6 ms against direct 1.4 ms at 16 tokens, 7.2 against 9.4 at 256).
 DESCRIPTOR_COST_S = {"VRAM": 13e-6, "DRAM": 2.5e-6}
 COPY_BYTES_PER_S = {"VRAM": 2.0e12, "DRAM": 4.0e9}
 PIECE_OVERHEAD_S = {"VRAM": 100e-6, "DRAM": 100e-6}
+STAGED_REQUEST_S = {"VRAM": 0.0, "DRAM": 1.4e-3}
 # Pipelining: a request is cut into about PIPELINE_PIECES pieces (so the WRITE of one overlaps
 # the gather of the next and the scatter of the one before), but never below MIN_PIECE_BYTES,
 # where the host's fixed cost per piece (~0.1 ms: launch, post, notice, tell) would dominate.
@@ -126,8 +130,8 @@ def choose_path(
 
     Rule: estimate both and take the cheaper. The wire time is the same either way, so
     direct costs one charge per posted descriptor, and staging costs its two extra copy
-    passes over the bytes plus a fixed charge per piece. ``mode`` ("direct"/"staging")
-    overrides, when staging is possible at all.
+    passes over the bytes plus a fixed charge per piece and one per request. ``mode``
+    ("direct"/"staging") overrides, when staging is possible at all.
     """
     if not staging_possible or mode == "direct":
         return "direct"
@@ -135,7 +139,11 @@ def choose_path(
         return "staging"
     pieces = max(1, -(-nbytes // max(1, slot_bytes)))
     direct_s = descriptors * DESCRIPTOR_COST_S[mem_kind]
-    staging_s = 2 * nbytes / COPY_BYTES_PER_S[mem_kind] + pieces * PIECE_OVERHEAD_S[mem_kind]
+    staging_s = (
+        2 * nbytes / COPY_BYTES_PER_S[mem_kind]
+        + pieces * PIECE_OVERHEAD_S[mem_kind]
+        + STAGED_REQUEST_S[mem_kind]
+    )
     return "staging" if staging_s < direct_s else "direct"
 
 

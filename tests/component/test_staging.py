@@ -91,6 +91,16 @@ def test_path_rule():
     assert choose_path(mode="staging", descriptors=524_288, mem_kind="VRAM", **kw) == "direct"
 
 
+def test_path_rule_on_host_memory_keeps_small_requests_direct():
+    """Page 1 on host memory, 8 layers x 8 heads x 128 (2 KiB a token a region): a 16-token
+    request (256 descriptors) went 1.4 ms direct against 2.6 ms staged on the CPU host, a
+    256-token one (4,096) 9.4 ms direct against 7.2 staged; the rule picks the faster."""
+    kw = dict(mem_kind="DRAM", slot_bytes=16 << 20, staging_possible=True)
+    for tokens, path in ((16, "direct"), (32, "direct"), (256, "staging"), (1024, "staging")):
+        got = choose_path(mode="auto", descriptors=tokens * 16, nbytes=tokens * 16 * 2048, **kw)
+        assert got == path, (tokens, got)
+
+
 R, P, L = 6, 64, 256  # regions, pages per region, bytes per page
 
 
