@@ -132,6 +132,7 @@ class StagedPath:
             mem_kind=ctx.mem_kind,
             slot_bytes=staging.slot_bytes if staging is not None else 1,
             staging_possible=possible,
+            area_pending=peer.staging is None,  # its slots come once it is allocated
         )
         if path != "staging":
             if peer.may_stage and unit_len and len(src):

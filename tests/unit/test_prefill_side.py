@@ -425,6 +425,28 @@ def test_a_staged_chunk_gathers_before_the_aux_and_state_writes_are_posted(side,
     assert order == ["gather", "aux", "state0"], order
 
 
+def test_the_path_rule_is_told_while_the_decodes_staging_area_is_not_here(side, monkeypatch):
+    """Until the decode's staging area arrived (``DecodePeer.staging``), a staged chunk
+    would wait for slots that come only after the decode allocated it: the path rule is
+    told so (``area_pending``), and not once the area is there."""
+    from sgl_nixl_plugin.sides import staged_path
+
+    told: list[bool] = []
+    real = staged_path.choose_path
+
+    def choose_path(**kw: Any) -> str:
+        told.append(kw["area_pending"])
+        return real(**kw)
+
+    monkeypatch.setattr(staged_path, "choose_path", choose_path)
+    _destination(side, ROOM)
+    side.worker.submit(_chunk(ROOM))
+    side.ctx.peers.accepted[AGENT].staging = SimpleNamespace(slot_bytes=1 << 20)
+    _destination(side, ROOM + 1)
+    side.worker.submit(_chunk(ROOM + 1))
+    assert told == [True, False]
+
+
 def test_a_post_that_raises_after_the_kv_write_still_waits_for_it(side):
     """The state indices disagree (a decode's request, checked only once SGLang's send()
     brings the prefill's own): the room fails, but the KV and aux WRITEs posted before
