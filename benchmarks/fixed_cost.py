@@ -58,9 +58,10 @@ The clocks:
 * fixed cost p50 -- a backend's p50 minus the WRITE-alone p50 of the same cell. It keeps
   whatever the backend does besides moving the KV bytes: control messages, the aux row's
   WRITE and the completion signal, the threads' hand-offs, the decode's polling. At page
-  size 1 our plugin takes the staging path (a gather and fewer, larger WRITEs; the
-  ``path`` column), which can move the bytes faster than the page-granular WRITE: its
-  fixed cost can then come out below the real one, even negative.
+  size 1 from ~64 tokens (about 1,000 descriptors) our plugin takes the staging path (a
+  gather and fewer, larger WRITEs; the ``path`` column) once the pair's staging is set up,
+  which can move the bytes faster than the page-granular WRITE: its fixed cost can then
+  come out below the real one, even negative.
 
 The machine matters: every NIXL agent's threads and both ranks' loops share the cores, and
 absolute figures drift with other load; compare within one run (the sessions of a cell are
