@@ -38,18 +38,22 @@ The clocks:
   sent while it is in flight, so every room whose request went before the first room
   finished is left out (with concurrency 1 that is the first room alone; ``steady`` in
   the JSON says how many rooms count).
-* WRITE alone p50 -- two of our ``TransferEngine``s in this process (the prefill's with the
-  plugin's agent settings: ``SGLANG_DISAGGREGATION_NIXL_BACKEND(_PARAMS)``, the plugin's
-  NIXL thread count and progress-thread setting), DRAM pools as the bench's (16 separate
-  regions of the same size, page 0 never used), UCX on loopback; one WRITE of a request's
-  KV bytes, page-granular (one descriptor per page per region before NIXL merges adjacent
-  pages), random pages on both sides. Starts before ``TransferEngine.write`` (index
-  arithmetic, ``make_prepped_xfer``, ``transfer``), stops when a busy ``poll`` sees DONE
-  (the target agent progressed between polls, in the same thread: UCX here runs RMA as
-  active messages over tcp/lo, which the target must progress); the handle is released
-  outside the clock. ``--write-repeats`` timed WRITEs (default: the cell's request count)
-  after 5 untimed ones (the link's wire-up), all on one link. The two agents share this
-  process, where each session's prefill and decode are two processes.
+* WRITE alone p50 -- one of our ``TransferEngine``s in this process (the prefill's
+  agent settings: ``SGLANG_DISAGGREGATION_NIXL_BACKEND(_PARAMS)``, the plugin's NIXL thread
+  count and progress-thread setting) WRITEs into another's in a second process, as a
+  session's prefill into its decode; DRAM pools as the bench's (16 separate regions of the
+  same size, page 0 never used), UCX on loopback; one WRITE of a request's KV bytes,
+  page-granular (one descriptor per page per region before NIXL merges adjacent pages),
+  random pages on both sides. Starts before ``TransferEngine.write`` (index arithmetic,
+  ``make_prepped_xfer``, ``transfer``), stops when a busy ``poll`` sees DONE (the target
+  progresses its agent every 0.1 ms meanwhile, for a transport that needs the target's
+  progress); the handle is released outside the clock. ``--write-repeats`` timed WRITEs
+  (default: the cell's request count) after 5 untimed ones (the link's wire-up), all on
+  one link. UCX moves host-to-host puts between two processes of one host by CMA
+  (``process_vm_writev`` inside ``transfer``, in the posting thread), which costs more
+  than between two agents of one process: ``WRITE 1-proc`` is that WRITE with both
+  agents here (the target progressed between polls), the basis of the fixed cost before
+  this release.
 * CPU ms/room -- the CPU time (every thread, ``time.process_time``) of the session's prefill
   and decode processes from their manager's start to their last room's end, over the
   session's rooms: what the backend's threads (and a NIXL progress thread, which SGLang's
@@ -223,8 +227,35 @@ def add_rooms(run: Run, doc: dict[str, Any]) -> None:
 # -- the WRITE alone, in this process ------------------------------------------------------
 
 
-def write_alone(cell: Cell, repeats: int, seed: int) -> dict[str, Any]:
-    """p50 (and p99) of one KV WRITE of a request's pages, alone; see the module's doc."""
+PROGRESS_S = 1e-4  # the WRITE target's progress period
+
+
+def _write_target(conn: Any, pool: int, item_len: int, regions: int) -> None:
+    """A WRITE target in its own process: registers its pools, sends its metadata and
+    region addresses, and progresses its agent until told to stop (or its parent goes)."""
+    from sgl_nixl_plugin.engine.engine import Memory, TransferEngine
+    from sgl_nixl_plugin.engine.layout import RegionSet
+    from sgl_nixl_plugin.registry.manager import resolve_agent_config
+
+    bufs = [np.full(pool * item_len, 0, dtype=np.uint8) for _ in range(regions)]
+    ptrs = [int(b.ctypes.data) for b in bufs]
+    rs = RegionSet.of(ptrs, [pool * item_len] * regions, [item_len] * regions, "DRAM")
+    engine = TransferEngine(resolve_agent_config(), Memory(rs, RegionSet.of([], [], [], "DRAM")))
+    try:
+        conn.send((engine.metadata, ptrs))
+        while not conn.poll(PROGRESS_S):
+            engine.agent.progress()
+    except (EOFError, OSError):
+        pass  # the parent went
+    finally:
+        engine.close()
+
+
+def write_alone(cell: Cell, repeats: int, seed: int, processes: int = 2) -> dict[str, Any]:
+    """p50 (and p99) of one KV WRITE of a request's pages, alone, the target in a second
+    process (``processes`` 2) or in this one (1); see the module's doc."""
+    import multiprocessing
+
     from sgl_nixl_plugin.cli.bench import build_parser, workload_of
     from sgl_nixl_plugin.engine.engine import Memory, TransferEngine
     from sgl_nixl_plugin.engine.layout import RegionSet
@@ -237,31 +268,45 @@ def write_alone(cell: Cell, repeats: int, seed: int) -> dict[str, Any]:
     pool = w.pool_pages()
     item_len = cell.page * shape.heads_per_rank(1) * shape.head_bytes
     n_pages = -(-cell.tokens // cell.page)
+    regions = shape.regions()
 
-    def region_set(fill: int) -> tuple[list[np.ndarray], RegionSet]:
-        bufs = [np.full(pool * item_len, fill, dtype=np.uint8) for _ in range(shape.regions())]
-        rs = RegionSet.of(
-            [int(b.ctypes.data) for b in bufs], [pool * item_len] * len(bufs),
-            [item_len] * len(bufs), "DRAM",
-        )  # fmt: skip
-        return bufs, rs
+    def region_set(ptrs: list[int]) -> RegionSet:
+        return RegionSet.of(ptrs, [pool * item_len] * regions, [item_len] * regions, "DRAM")
 
     no_aux = RegionSet.of([], [], [], "DRAM")
     settings = Settings.from_env()
     config = resolve_agent_config()
     if config.num_threads == 0:
         config.num_threads = settings.nixl_threads  # as the plugin's prefill (the initiator)
-    src_bufs, src_rs = region_set(1)
-    dst_bufs, dst_rs = region_set(0)
+    src_bufs = [np.full(pool * item_len, 1, dtype=np.uint8) for _ in range(regions)]
     prefill = TransferEngine(
-        config, Memory(src_rs, no_aux), progress_thread=settings.progress_thread
+        config,
+        Memory(region_set([int(b.ctypes.data) for b in src_bufs]), no_aux),
+        progress_thread=settings.progress_thread,
     )
-    decode = TransferEngine(resolve_agent_config(), Memory(dst_rs, no_aux))
+    decode: Any = None
+    proc: Any = None
+    conn: Any = None
     rng = np.random.default_rng(seed)
     times: list[float] = []
     posted = -1
     try:
-        link = prefill.link(decode.metadata, Memory(dst_rs, no_aux))
+        if processes == 1:
+            dst_bufs = [np.full(pool * item_len, 0, dtype=np.uint8) for _ in range(regions)]
+            dst_ptrs = [int(b.ctypes.data) for b in dst_bufs]
+            decode = TransferEngine(resolve_agent_config(), Memory(region_set(dst_ptrs), no_aux))
+            metadata = decode.metadata
+        else:
+            mp = multiprocessing.get_context("spawn")
+            conn, theirs = mp.Pipe()
+            proc = mp.Process(
+                target=_write_target, args=(theirs, pool, item_len, regions), daemon=True
+            )
+            proc.start()
+            if not conn.poll(120):
+                raise RuntimeError("WRITE alone: the target process sent no metadata in 120 s")
+            metadata, dst_ptrs = conn.recv()
+        link = prefill.link(metadata, Memory(region_set(dst_ptrs), no_aux))
         for i in range(WARMUP_WRITES + repeats):
             src = rng.choice(np.arange(1, pool), n_pages, replace=False)
             dst = rng.choice(np.arange(1, pool), n_pages, replace=False)
@@ -269,7 +314,8 @@ def write_alone(cell: Cell, repeats: int, seed: int) -> dict[str, Any]:
             xfer = prefill.write(link, "kv", src, dst)
             assert xfer is not None
             while prefill.poll(xfer) == "PROC":
-                decode.agent.progress()  # the target's side of UCX over TCP
+                if decode is not None:
+                    decode.agent.progress()  # the target's side, for a two-sided transport
                 if time.perf_counter() - t0 > 60:
                     break
             elapsed = time.perf_counter() - t0
@@ -282,14 +328,22 @@ def write_alone(cell: Cell, repeats: int, seed: int) -> dict[str, Any]:
         prefill.unlink(link)
     finally:
         prefill.close()
-        decode.close()
-    del src_bufs, dst_bufs
+        if decode is not None:
+            decode.close()
+        if proc is not None:
+            conn.send("stop")
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+    del src_bufs
     return {
         "p50_ms": statistics.median(times),
         "p99_ms": float(np.percentile(times, 99)),
         "repeats": len(times),
-        "bytes": n_pages * item_len * shape.regions(),
-        "descriptors_built": n_pages * shape.regions(),
+        "processes": processes,
+        "bytes": n_pages * item_len * regions,
+        "descriptors_built": n_pages * regions,
         "descriptors_posted": posted,
     }
 
@@ -313,7 +367,8 @@ def rows_of(cells: list[dict[str, Any]], with_old: bool) -> tuple[list[str], lis
     head = ["cell", "ours p50", "ours p99", "in-tree p50", "in-tree p99", "ours/in-tree"]
     if with_old:
         head += ["old p50", "old p99", "ours/old"]
-    head += ["WRITE p50", "fixed ours", "fixed in-tree"] + (["fixed old"] if with_old else [])
+    head += ["WRITE p50", "WRITE 1-proc", "fixed ours", "fixed in-tree"]
+    head += ["fixed old"] if with_old else []
     head += ["CPU ms/room ours", "in-tree"] + (["old"] if with_old else [])
     head += ["steady rooms", "path ours"]
     body = []
@@ -324,7 +379,8 @@ def rows_of(cells: list[dict[str, Any]], with_old: bool) -> tuple[list[str], lis
         if with_old:
             d = c["old"]
             row += [fmt(d["p50_ms"]), fmt(d["p99_ms"]), ratio(o["p50_ms"], d["p50_ms"])]
-        row += [fmt(w), fmt(minus(o["p50_ms"], w)), fmt(minus(t["p50_ms"], w))]
+        row += [fmt(w), fmt(c["write"].get("one_process_p50_ms"))]
+        row += [fmt(minus(o["p50_ms"], w)), fmt(minus(t["p50_ms"], w))]
         if with_old:
             row.append(fmt(minus(c["old"]["p50_ms"], w)))
         keys = ["ours", "in-tree"] + (["old"] if with_old else [])
@@ -414,10 +470,14 @@ def main(argv: list[str] | None = None) -> int:
     for cell in cells:
         runs = {name: Run() for name, _, _ in sides}
         writes: list[dict[str, Any]] = []
+        writes1: list[dict[str, Any]] = []
         for rnd in range(args.rounds):
-            writes.append(write_alone(cell, args.write_repeats or cell.requests, args.seed + rnd))
+            repeats = args.write_repeats or cell.requests
+            writes.append(write_alone(cell, repeats, args.seed + rnd, processes=2))
+            writes1.append(write_alone(cell, repeats, args.seed + rnd, processes=1))
             print(
-                f"[{cell.label} round {rnd + 1}] WRITE alone p50 {writes[-1]['p50_ms']:.3f} ms",
+                f"[{cell.label} round {rnd + 1}] WRITE alone p50 {writes[-1]['p50_ms']:.3f} ms "
+                f"(in one process {writes1[-1]['p50_ms']:.3f})",
                 file=sys.stderr,
             )
             argv_ = cli_argv(cell, args.seed + rnd, args.timeout, not args.no_verify)
@@ -434,7 +494,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
         write = {
             "p50_ms": statistics.median(x["p50_ms"] for x in writes),
+            "one_process_p50_ms": statistics.median(x["p50_ms"] for x in writes1),
             "rounds": writes,
+            "one_process_rounds": writes1,
         }
         out.append(
             {
@@ -458,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     head, body = rows_of(out, old is not None)
     print(
         "milliseconds; p50/p99 over steady rooms (send_metadata -> poll() Success); "
-        "fixed = p50 - WRITE-alone p50"
+        "fixed = p50 - WRITE-alone p50 (its target in a second process; "
+        "WRITE 1-proc: both agents in one)"
     )
     print(table(head, body))
     print(note)
