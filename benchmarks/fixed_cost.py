@@ -331,7 +331,10 @@ def write_alone(cell: Cell, repeats: int, seed: int, processes: int = 2) -> dict
         if decode is not None:
             decode.close()
         if proc is not None:
-            conn.send("stop")
+            try:
+                conn.send("stop")
+            except OSError:
+                pass  # the target already went
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
