@@ -224,7 +224,7 @@ def add_rooms(run: Run, doc: dict[str, Any]) -> None:
     run.latencies_ms += [float(r["latency_s"]) * 1e3 for r in steady]
 
 
-# -- the WRITE alone, in this process ------------------------------------------------------
+# -- the WRITE alone, its target in a second process (or in this one) --------------------
 
 
 PROGRESS_S = 1e-4  # the WRITE target's progress period
